@@ -1,0 +1,48 @@
+"""FastAPI dependencies: one Settings, database, object store and Celery app per API process."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Annotated
+
+from celery import Celery
+from fastapi import Depends, Request
+from sqlalchemy.orm import Session
+
+from common.db import Database
+from common.settings import Settings
+from common.storage import ObjectStore
+
+
+@dataclass
+class AppState:
+    settings: Settings
+    db: Database
+    store: ObjectStore
+    celery: Celery
+
+
+def get_state(request: Request) -> AppState:
+    return request.app.state.vlmq
+
+
+def get_session(state: Annotated[AppState, Depends(get_state)]) -> Iterator[Session]:
+    with state.db.session() as session:
+        yield session
+
+
+StateDep = Annotated[AppState, Depends(get_state)]
+SessionDep = Annotated[Session, Depends(get_session)]
+
+
+def get_store(state: StateDep) -> ObjectStore:
+    return state.store
+
+
+def get_settings_dep(state: StateDep) -> Settings:
+    return state.settings
+
+
+StorageDep = Annotated[ObjectStore, Depends(get_store)]
+SettingsDep = Annotated[Settings, Depends(get_settings_dep)]

@@ -1,0 +1,114 @@
+"""Every refusal is a 4xx with a message; infrastructure trouble is a 503 with Retry-After, never a 500."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DBAPIError, OperationalError
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from common.submission import SubmissionError
+
+log = logging.getLogger(__name__)
+
+
+def error_body(message: str, code: str, type_: str = "invalid_request_error", param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "code": code, "param": param}}
+
+
+def _location(loc: tuple[Any, ...]) -> str:
+    return ".".join(str(p) for p in loc if p not in ("body", "query", "path", "header", "form"))
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(SubmissionError)
+    async def _submission(_: Request, exc: SubmissionError) -> JSONResponse:
+        return JSONResponse(error_body(str(exc), exc.code), status_code=exc.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = []
+        for err in exc.errors():
+            where = _location(tuple(err.get("loc", ())))
+            problems.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+        first = exc.errors()[0] if exc.errors() else {}
+        return JSONResponse(
+            error_body("; ".join(problems) or "invalid request", "invalid_request",
+                       param=_location(tuple(first.get("loc", ()))) or None),
+            status_code=422,
+        )
+
+    @app.exception_handler(HTTPException)
+    async def _http(_: Request, exc: HTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed", 409: "conflict", 413: "request_too_large",
+                415: "unsupported_media_type"}.get(exc.status_code, "error")
+        return JSONResponse(error_body(str(exc.detail), code), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(OperationalError)
+    @app.exception_handler(DBAPIError)
+    async def _database(_: Request, exc: Exception) -> JSONResponse:
+        log.warning("database unavailable: %s", exc)
+        return JSONResponse(error_body("the database is unavailable; retry shortly", "service_unavailable",
+                                       "server_error"), status_code=503, headers={"Retry-After": "5"})
+
+
+class BodySizeLimit:
+    """Refuse bodies above `max_bytes` with 413, whether or not the client sent Content-Length."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope.get("headers", []):
+            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+                await self._too_large(send)
+                return
+        received = 0
+        started = False
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise _TooLarge()
+            return message
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except _TooLarge:
+            if not started:
+                await self._too_large(send)
+
+    async def _too_large(self, send: Send) -> None:
+        response = JSONResponse(
+            error_body(f"request body exceeds the limit of {self.max_bytes} bytes", "request_too_large"),
+            status_code=413,
+        )
+        await response({"type": "http"}, _empty_receive, send)
+
+
+class _TooLarge(HTTPException):
+    # An HTTPException, so FastAPI's body parsing re-raises it as is instead of turning it into a 400.
+    def __init__(self) -> None:
+        super().__init__(413, "request body is too large")
+
+
+async def _empty_receive() -> Message:
+    return {"type": "http.disconnect"}

@@ -1,0 +1,36 @@
+"""Upload an image once; jobs then refer to it by id."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, File, HTTPException, UploadFile
+
+from api.deps import SessionDep, SettingsDep, StorageDep
+from common.models import ImageRecord
+from common.schemas import ImageView
+from common.submission import IMAGE_ID_RE, image_public_id, store_image
+
+router = APIRouter(prefix="/v1/images", tags=["images"])
+
+
+def image_view(record: ImageRecord) -> ImageView:
+    return ImageView(id=image_public_id(record.id), sha256=record.id, format=record.format, width=record.width,
+                     height=record.height, bytes=record.size_bytes, created_at=record.created_at)
+
+
+@router.post("", status_code=201, response_model=ImageView)
+async def upload_image(
+    session: SessionDep, store: StorageDep, settings: SettingsDep, file: UploadFile = File(...)
+) -> ImageView:
+    data = await file.read(settings.max_image_bytes + 1)
+    if not data:
+        raise HTTPException(400, "the uploaded file is empty")
+    return image_view(store_image(session, store, data, settings))
+
+
+@router.get("/{image_id}", response_model=ImageView)
+def get_image(image_id: str, session: SessionDep) -> ImageView:
+    match = IMAGE_ID_RE.match(image_id)
+    record = session.get(ImageRecord, match.group(1)) if match else None
+    if record is None:
+        raise HTTPException(404, f"image {image_id!r} not found")
+    return image_view(record)

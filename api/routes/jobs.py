@@ -1,0 +1,175 @@
+"""Single jobs: submit (JSON chat-completions body, or multipart prompt + image files), read, list, cancel."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from fastapi import APIRouter, Header, HTTPException, Query, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+from sqlalchemy import select
+from starlette.datastructures import UploadFile
+
+from api.deps import AppState, SessionDep, StateDep
+from common import jobs
+from common.models import Job, JobStatus
+from common.queue import send_run_job
+from common.schemas import JobCreate, JobList, JobView
+from common.storage import ObjectNotFound
+from common.submission import SubmissionError, image_public_id, store_image, submit_job
+from common.views import job_view
+
+log = logging.getLogger(__name__)
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+
+_FORM_SCALARS = ("model", "max_tokens", "temperature", "top_p", "seed", "priority")
+
+
+def _validate(payload: Any) -> JobCreate:
+    try:
+        return JobCreate.model_validate(payload)
+    except ValidationError as exc:
+        raise RequestValidationError(
+            [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False, include_context=False)]
+        ) from None
+
+
+async def _from_json(request: Request) -> JobCreate:
+    raw = await request.body()
+    try:
+        payload = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise SubmissionError(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(payload, dict):
+        raise SubmissionError("request body must be a JSON object")
+    return _validate(payload)
+
+
+async def _from_form(request: Request, state: AppState) -> JobCreate:
+    form = await request.form(max_files=state.settings.max_images_per_job + 1, max_fields=64)
+    prompt = form.get("prompt")
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise SubmissionError("multipart field 'prompt' is required")
+    files = [f for key in ("image", "images") for f in form.getlist(key) if isinstance(f, UploadFile)]
+    image_ids = []
+    for upload in files:
+        data = await upload.read(state.settings.max_image_bytes + 1)
+        if not data:
+            raise SubmissionError(f"uploaded image {upload.filename!r} is empty")
+        record = await run_in_threadpool(_store, state, data)
+        image_ids.append(image_public_id(record))
+    content: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": i}} for i in image_ids]
+    content.append({"type": "text", "text": prompt})
+    messages: list[dict[str, Any]] = []
+    system = form.get("system")
+    if isinstance(system, str) and system:
+        messages.append({"role": "system", "content": system})
+    messages.append({"role": "user", "content": content})
+    payload: dict[str, Any] = {"messages": messages}
+    for key in _FORM_SCALARS:
+        value = form.get(key)
+        if isinstance(value, str) and value != "":
+            payload[key] = value
+    stops = [s for s in form.getlist("stop") if isinstance(s, str) and s]
+    if stops:
+        payload["stop"] = stops
+    metadata = form.get("metadata")
+    if isinstance(metadata, str) and metadata:
+        try:
+            payload["metadata"] = json.loads(metadata)
+        except json.JSONDecodeError:
+            raise SubmissionError("multipart field 'metadata' must be a JSON object") from None
+    return _validate(payload)
+
+
+def _store(state: AppState, data: bytes) -> str:
+    with state.db.session() as session:
+        return store_image(session, state.store, data, state.settings).id
+
+
+def _create(state: AppState, req: JobCreate, idempotency_key: str | None) -> tuple[JobView, bool, int]:
+    with state.db.session() as session:
+        job, created = submit_job(session, state.store, state.settings, req, idempotency_key=idempotency_key)
+        view, priority = job_view(job), job.priority
+    return view, created, priority
+
+
+@router.post("", status_code=202, response_model=JobView)
+async def create_job(
+    request: Request, state: StateDep, idempotency_key: str | None = Header(default=None, alias="Idempotency-Key")
+) -> JSONResponse:
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if content_type == "application/json":
+        req = await _from_json(request)
+    elif content_type == "multipart/form-data":
+        req = await _from_form(request, state)
+    else:
+        raise HTTPException(415, f"unsupported content type {content_type or '(none)'!r}: send application/json "
+                                 "(a chat-completions body) or multipart/form-data (prompt + image files)")
+    view, created, priority = await run_in_threadpool(_create, state, req, idempotency_key)
+    if created:
+        try:
+            await run_in_threadpool(send_run_job, state.celery, state.settings, view.id, priority)
+        except Exception:
+            # The job is durable in SQL as `queued`; the republisher sends it again once the broker is back.
+            log.exception("could not dispatch job %s", view.id)
+    return JSONResponse(view.model_dump(mode="json"), status_code=202 if created else 200)
+
+
+@router.get("", response_model=JobList)
+def list_jobs(
+    session: SessionDep,
+    status: JobStatus | None = None,
+    limit: int = Query(default=20, ge=1, le=100),
+    after: str | None = Query(default=None, description="Cursor: the next_cursor of the previous page."),
+) -> JobList:
+    stmt = select(Job).order_by(Job.id.desc()).limit(limit + 1)
+    if status is not None:
+        stmt = stmt.where(Job.status == status)
+    if after:
+        stmt = stmt.where(Job.id < after)
+    rows = list(session.scalars(stmt))
+    page = rows[:limit]
+    has_more = len(rows) > limit
+    return JobList(data=[job_view(j) for j in page], has_more=has_more,
+                   next_cursor=page[-1].id if has_more and page else None)
+
+
+def _get_job(session: Any, job_id: str) -> Job:
+    job = session.get(Job, job_id)
+    if job is None:
+        raise HTTPException(404, f"job {job_id!r} not found")
+    return job
+
+
+@router.get("/{job_id}", response_model=JobView)
+def get_job(job_id: str, session: SessionDep) -> JobView:
+    return job_view(_get_job(session, job_id))
+
+
+@router.post("/{job_id}/cancel", response_model=JobView)
+def cancel_job(job_id: str, session: SessionDep) -> JobView:
+    job = _get_job(session, job_id)
+    if not jobs.cancel(session, job_id):
+        session.refresh(job)
+        if job.status != JobStatus.CANCELLED:
+            raise HTTPException(409, f"job {job_id!r} is already {job.status} and cannot be cancelled")
+    session.refresh(job)
+    return job_view(job)
+
+
+@router.get("/{job_id}/result")
+def get_result(job_id: str, session: SessionDep, state: StateDep) -> Response:
+    """The full chat.completion object the worker stored."""
+    job = _get_job(session, job_id)
+    if job.status != JobStatus.SUCCEEDED or not job.result_key:
+        raise HTTPException(409, f"job {job_id!r} is {job.status}; a result exists only once it has succeeded")
+    try:
+        data = state.store.get(job.result_key)
+    except ObjectNotFound:
+        raise HTTPException(404, f"result object for job {job_id!r} is missing") from None
+    return Response(data, media_type="application/json")

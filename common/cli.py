@@ -1,0 +1,174 @@
+"""The `vlmq` command. Heavy imports (torch, the worker) happen inside the commands that need them."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(help="vlmq: batch inference for vision-language models.", no_args_is_help=True,
+                  pretty_exceptions_enable=False)
+
+ApiUrl = Annotated[str, typer.Option("--api-url", envvar="VLMQ_API_URL", help="Base URL of a vlmq API.")]
+
+
+def _settings(**overrides: object):  # type: ignore[no-untyped-def]
+    """Settings from the environment, with the command-line options given on top."""
+    from common.settings import Settings
+
+    return Settings(**{k: v for k, v in overrides.items() if v is not None})
+
+
+@app.command()
+def migrate() -> None:
+    """Upgrade the database to the latest schema."""
+    from common.migrate import upgrade
+
+    settings = _settings()
+    upgrade(settings.database_url)
+    typer.echo("database is at the latest revision")
+
+
+@app.command()
+def api(
+    host: Annotated[str, typer.Option(help="Interface to bind.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to bind.")] = 8000,
+    model: Annotated[str | None, typer.Option(help="Model served by the embedded worker.")] = None,
+) -> None:
+    """Serve the REST API. With the in-process broker (memory://) a worker runs inside this process too."""
+    import uvicorn
+
+    from api.main import create_app
+    from common.migrate import upgrade
+
+    settings = _settings(model=model)
+    if settings.embedded_broker:
+        upgrade(settings.database_url)  # embedded: there is no separate migrate step
+        from common.queue import make_celery
+        from worker.embedded import embedded_worker
+
+        fastapi_app = create_app(settings)
+        celery_app = make_celery(settings)
+        fastapi_app.state.vlmq.celery = celery_app  # the API and the worker must share the in-memory broker
+        with embedded_worker(celery_app, settings):
+            uvicorn.run(fastapi_app, host=host, port=port)
+        return
+    uvicorn.run(create_app(settings), host=host, port=port)
+
+
+@app.command()
+def worker(
+    concurrency: Annotated[int | None, typer.Option(help="Jobs held in flight (threads).")] = None,
+    model: Annotated[str | None, typer.Option(help="HF model id or path (default: VLMQ_MODEL).")] = None,
+    loglevel: Annotated[str, typer.Option(help="Celery log level.")] = "INFO",
+) -> None:
+    """Run a GPU/CPU worker: one model per process, many jobs in flight, batched together."""
+    from common.queue import make_celery
+    from worker.context import get_context
+    from worker.tasks import register_tasks
+
+    settings = _settings(model=model, worker_concurrency=concurrency)
+    celery_app = make_celery(settings)
+    register_tasks(celery_app)
+    get_context(settings)  # load the model before taking any message
+    celery_app.worker_main([
+        "worker", "--pool=threads", f"--concurrency={settings.worker_concurrency}", f"--queues={settings.job_queue}",
+        f"--loglevel={loglevel}", "--without-gossip", "--without-mingle", f"--hostname=vlmq-{settings.job_queue}@%h",
+    ])
+
+
+@app.command()
+def run(
+    input_path: Annotated[Path, typer.Argument(help="OpenAI batch input JSONL.", exists=True, dir_okay=False)],
+    output: Annotated[Path, typer.Option("-o", "--output", help="Where to write the OpenAI batch output JSONL.")],
+    model: Annotated[str | None, typer.Option(help="HF model id or local path.")] = None,
+    data_dir: Annotated[Path | None, typer.Option(help="Embedded state folder (default ~/.vlmq).")] = None,
+) -> None:
+    """Run every request of a batch file through vlmq on embedded defaults and write the results."""
+    from rich.console import Console
+
+    from worker.local_run import run_file
+
+    settings = _settings(model=model, data_dir=data_dir)
+    if not settings.model:
+        raise typer.BadParameter("no model: pass --model PATH_OR_ID or set VLMQ_MODEL", param_hint="--model")
+    console = Console(stderr=True)
+    summary = run_file(input_path, output, settings, console)
+    ok = summary.counts.get("succeeded", 0)
+    rate = summary.submitted / summary.elapsed_s if summary.elapsed_s else 0.0
+    console.print(
+        f"[bold]done[/bold]: {summary.total_lines} lines, {ok} succeeded, "
+        f"{summary.submitted - ok} failed in the worker, {len(summary.line_errors)} refused; "
+        f"{summary.elapsed_s:.1f}s, {rate:.2f} jobs/s, "
+        f"{summary.completion_tokens / summary.elapsed_s if summary.elapsed_s else 0:.1f} generated tokens/s "
+        f"-> {output}"
+    )
+
+
+@app.command()
+def submit(
+    image: Annotated[list[Path], typer.Option("--image", "-i", help="Image file (repeatable).", exists=True)],
+    prompt: Annotated[str, typer.Argument(help="The question or instruction.")],
+    wait: Annotated[bool, typer.Option(help="Wait for the job and print its answer.")] = False,
+    max_tokens: Annotated[int, typer.Option(help="Tokens to generate at most.")] = 256,
+    api_url: ApiUrl = "http://127.0.0.1:8000",
+    timeout: Annotated[float, typer.Option(help="Seconds to wait with --wait.")] = 600.0,
+) -> None:
+    """Submit one job (images + prompt) to a running API."""
+    import httpx
+
+    files = [("image", (p.name, p.read_bytes())) for p in image]
+    with httpx.Client(base_url=api_url, timeout=60) as client:
+        response = client.post("/v1/jobs", data={"prompt": prompt, "max_tokens": str(max_tokens)}, files=files)
+        if response.status_code >= 400:
+            typer.echo(f"error {response.status_code}: {response.text}", err=True)
+            raise typer.Exit(1)
+        job = response.json()
+        if not wait:
+            typer.echo(json.dumps(job, indent=2))
+            return
+        deadline = time.monotonic() + timeout
+        while job["status"] in ("queued", "running") and time.monotonic() < deadline:
+            time.sleep(0.5)
+            job = client.get(f"/v1/jobs/{job['id']}").json()
+    if job["status"] != "succeeded":
+        typer.echo(f"job {job['id']} is {job['status']}: {job.get('error')}", err=True)
+        raise typer.Exit(1)
+    typer.echo(job["result"]["text"])
+
+
+@app.command()
+def status(job_id: Annotated[str, typer.Argument(help="Job id.")], api_url: ApiUrl = "http://127.0.0.1:8000") -> None:
+    """Show one job."""
+    import httpx
+
+    response = httpx.get(f"{api_url}/v1/jobs/{job_id}", timeout=30)
+    typer.echo(json.dumps(response.json(), indent=2))
+    if response.status_code >= 400:
+        raise typer.Exit(1)
+
+
+@app.command("make-tiny-model")
+def make_tiny_model(
+    out_dir: Annotated[Path, typer.Argument(help="Folder to write the checkpoint to.")],
+    seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
+) -> None:
+    """Build a tiny random-weight LLaVA offline. Its answers are noise: it is for tests and smoke runs."""
+    from worker.tiny_model import build_tiny_llava
+
+    path = build_tiny_llava(out_dir, seed=seed)
+    typer.echo(f"tiny random-weight LLaVA written to {path} (its answers are noise)")
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    app()
+
+
+if __name__ == "__main__":
+    main()

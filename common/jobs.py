@@ -1,0 +1,212 @@
+"""The job state machine (DESIGN §2). The only module that writes a job's status.
+
+Every transition is one conditional UPDATE, so two workers, a reaper and a cancel can race freely: exactly one
+of them changes the row, the others see rowcount 0 and step back.
+
+    queued --claim--> running --finish--> succeeded
+      ^                 |  '--fail--> failed          (input error: never retried)
+      '--release/reap---'  '--attempts >= max--> dead  (poison job)
+    queued|running --cancel--> cancelled
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import and_, or_, select, update
+from sqlalchemy.orm import Session
+
+from common.models import Job, JobStatus, new_id, utcnow
+
+
+@dataclass(frozen=True)
+class JobResult:
+    result_key: str
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+def create_job(
+    session: Session,
+    *,
+    model: str,
+    request: dict[str, Any],
+    priority: int = 5,
+    max_attempts: int = 3,
+    metadata: dict[str, Any] | None = None,
+    idempotency_key: str | None = None,
+    batch_id: str | None = None,
+    custom_id: str | None = None,
+) -> Job:
+    job = Job(
+        id=new_id("job"),
+        status=JobStatus.QUEUED,
+        model=model,
+        request=request,
+        priority=priority,
+        max_attempts=max_attempts,
+        metadata_=metadata,
+        idempotency_key=idempotency_key,
+        batch_id=batch_id,
+        custom_id=custom_id,
+        attempts=0,
+        created_at=utcnow(),
+    )
+    session.add(job)
+    session.flush()
+    return job
+
+
+def _claimable(now: datetime) -> Any:
+    expired = and_(Job.status == JobStatus.RUNNING, Job.lease_until < now)
+    return and_(or_(Job.status == JobStatus.QUEUED, expired), Job.attempts < Job.max_attempts)
+
+
+def claim(session: Session, job_id: str, worker_id: str, lease_seconds: float) -> Job | None:
+    """Take the job for `worker_id`; None when someone else has it or it is finished (a duplicate message)."""
+    now = utcnow()
+    stmt = (
+        update(Job)
+        .where(Job.id == job_id, _claimable(now))
+        .values(
+            status=JobStatus.RUNNING,
+            lease_owner=worker_id,
+            lease_until=now + timedelta(seconds=lease_seconds),
+            attempts=Job.attempts + 1,
+            started_at=now,
+        )
+        .execution_options(synchronize_session=False)
+    )
+    if session.execute(stmt).rowcount != 1:
+        return None
+    return session.get(Job, job_id, populate_existing=True)
+
+
+def heartbeat(session: Session, job_ids: list[str], worker_id: str, lease_seconds: float) -> int:
+    """Extend the leases this worker still holds; returns how many it still holds."""
+    if not job_ids:
+        return 0
+    stmt = (
+        update(Job)
+        .where(Job.id.in_(job_ids), Job.lease_owner == worker_id, Job.status == JobStatus.RUNNING)
+        .values(lease_until=utcnow() + timedelta(seconds=lease_seconds))
+        .execution_options(synchronize_session=False)
+    )
+    return session.execute(stmt).rowcount
+
+
+def _held_by(job_id: str, worker_id: str) -> Any:
+    return and_(Job.id == job_id, Job.lease_owner == worker_id, Job.status == JobStatus.RUNNING)
+
+
+def finish(session: Session, job_id: str, worker_id: str, result: JobResult) -> bool:
+    """Mark succeeded; refused (False) if the worker lost its lease or the job was cancelled."""
+    stmt = (
+        update(Job)
+        .where(_held_by(job_id, worker_id))
+        .values(
+            status=JobStatus.SUCCEEDED,
+            finished_at=utcnow(),
+            lease_until=None,
+            result_key=result.result_key,
+            result_text=result.text,
+            finish_reason=result.finish_reason,
+            prompt_tokens=result.prompt_tokens,
+            completion_tokens=result.completion_tokens,
+            error_code=None,
+            error_message=None,
+        )
+        .execution_options(synchronize_session=False)
+    )
+    return session.execute(stmt).rowcount == 1
+
+
+def fail(session: Session, job_id: str, worker_id: str, code: str, message: str) -> bool:
+    """Terminal failure for input errors that would fail again on retry."""
+    stmt = (
+        update(Job)
+        .where(_held_by(job_id, worker_id))
+        .values(
+            status=JobStatus.FAILED,
+            finished_at=utcnow(),
+            lease_until=None,
+            error_code=code,
+            error_message=message[:4000],
+        )
+        .execution_options(synchronize_session=False)
+    )
+    return session.execute(stmt).rowcount == 1
+
+
+def release(session: Session, job_id: str, worker_id: str, code: str, message: str) -> str | None:
+    """Give a job back after a transient error: `queued` again, or `dead` once attempts are used up.
+
+    Returns the new status, or None when the worker no longer held the job."""
+    base = _held_by(job_id, worker_id)
+    dead = (
+        update(Job)
+        .where(base, Job.attempts >= Job.max_attempts)
+        .values(status=JobStatus.DEAD, finished_at=utcnow(), lease_owner=None, lease_until=None,
+                error_code=code, error_message=message[:4000])
+        .execution_options(synchronize_session=False)
+    )
+    if session.execute(dead).rowcount == 1:
+        return JobStatus.DEAD
+    requeue = (
+        update(Job)
+        .where(base)
+        .values(status=JobStatus.QUEUED, lease_owner=None, lease_until=None,
+                error_code=code, error_message=message[:4000])
+        .execution_options(synchronize_session=False)
+    )
+    return JobStatus.QUEUED if session.execute(requeue).rowcount == 1 else None
+
+
+def cancel(session: Session, job_id: str) -> bool:
+    """Cancel a job that has not finished; a worker still running it will have its finish refused."""
+    stmt = (
+        update(Job)
+        .where(Job.id == job_id, Job.status.in_([JobStatus.QUEUED, JobStatus.RUNNING]))
+        .values(status=JobStatus.CANCELLED, finished_at=utcnow(), lease_owner=None, lease_until=None)
+        .execution_options(synchronize_session=False)
+    )
+    return session.execute(stmt).rowcount == 1
+
+
+def reap(session: Session, limit: int = 1000) -> dict[str, list[str]]:
+    """Expired leases go back to `queued`, or to `dead` when attempts are used up."""
+    now = utcnow()
+    expired_ids = list(
+        session.scalars(
+            select(Job.id)
+            .where(Job.status == JobStatus.RUNNING, Job.lease_until < now)
+            .order_by(Job.lease_until)
+            .limit(limit)
+        )
+    )
+    outcome: dict[str, list[str]] = {JobStatus.QUEUED: [], JobStatus.DEAD: []}
+    for job_id in expired_ids:
+        still_expired = and_(Job.id == job_id, Job.status == JobStatus.RUNNING, Job.lease_until < now)
+        dead = (
+            update(Job)
+            .where(still_expired, Job.attempts >= Job.max_attempts)
+            .values(status=JobStatus.DEAD, finished_at=now, lease_owner=None, lease_until=None,
+                    error_code="lease_expired", error_message="worker lost; attempts exhausted")
+            .execution_options(synchronize_session=False)
+        )
+        if session.execute(dead).rowcount == 1:
+            outcome[JobStatus.DEAD].append(job_id)
+            continue
+        requeue = (
+            update(Job)
+            .where(still_expired)
+            .values(status=JobStatus.QUEUED, lease_owner=None, lease_until=None)
+            .execution_options(synchronize_session=False)
+        )
+        if session.execute(requeue).rowcount == 1:
+            outcome[JobStatus.QUEUED].append(job_id)
+    return outcome

@@ -1,0 +1,124 @@
+"""Pydantic models at the edges: the chat-completions request a job carries, and the job as shown."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ImageURL(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    url: str = Field(description="A data: URL, or the id of an image uploaded to POST /v1/images.")
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[ContentPart]
+    name: str | None = None
+
+
+class ChatCompletionRequest(BaseModel):
+    """The body of an OpenAI chat completion, restricted to what vlmq runs."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=0.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: Literal[1] = 1
+    stream: Literal[False] = False
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, value: str | list[str] | None) -> str | list[str] | None:
+        stops = [value] if isinstance(value, str) else (value or [])
+        if len(stops) > 4:
+            raise ValueError("at most 4 stop sequences are allowed")
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must be non-empty")
+        return value
+
+    @property
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class JobCreate(ChatCompletionRequest):
+    priority: int = Field(default=5, ge=0, le=9, description="0 lowest .. 9 highest.")
+    metadata: dict[str, Any] | None = None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class JobResultView(BaseModel):
+    text: str
+    finish_reason: str
+    usage: Usage
+
+
+class JobError(BaseModel):
+    code: str
+    message: str
+
+
+class JobView(BaseModel):
+    id: str
+    object: Literal["job"] = "job"
+    status: str
+    model: str
+    priority: int
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    attempts: int
+    max_attempts: int
+    metadata: dict[str, Any] | None
+    batch_id: str | None = None
+    custom_id: str | None = None
+    result: JobResultView | None
+    error: JobError | None
+
+
+class JobList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[JobView]
+    has_more: bool
+    next_cursor: str | None
+
+
+class ImageView(BaseModel):
+    id: str
+    object: Literal["image"] = "image"
+    sha256: str
+    format: str
+    width: int
+    height: int
+    bytes: int
+    created_at: datetime

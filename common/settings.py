@@ -1,0 +1,103 @@
+"""One Settings object for every vlmq process, read from `VLMQ_*` environment variables.
+
+The defaults are the embedded configuration: SQLite file, in-process broker and a local object folder
+under `data_dir`, so `vlmq run` works on a laptop with no services.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="VLMQ_", env_file=".env", extra="ignore")
+
+    data_dir: Path = Field(default=Path("~/.vlmq"), description="Root of embedded state (SQLite, objects).")
+
+    # SQL: the source of truth for every job's state.
+    database_url: str = Field(default="", description="SQLAlchemy URL; empty means SQLite under data_dir.")
+
+    # Broker: only delivers; everything in it can be rebuilt from SQL.
+    broker_url: str = Field(default="memory://", description="Celery broker; memory:// runs in-process.")
+    broker_visibility_timeout: int = Field(default=43200, ge=1, description="Seconds before Redis redelivers.")
+
+    # Object storage.
+    storage_backend: Literal["local", "s3"] = "local"
+    storage_dir: Path | None = Field(default=None, description="Local object folder; default data_dir/objects.")
+    s3_endpoint_url: str | None = None
+    s3_bucket: str = "vlmq"
+    s3_region: str = "us-east-1"
+    s3_access_key_id: str | None = None
+    s3_secret_access_key: str | None = None
+    s3_create_bucket: bool = True
+    presign_expiry_seconds: int = Field(default=3600, ge=1, le=7 * 24 * 3600)
+
+    # The model a worker serves; API accepts jobs for `model_name`.
+    model: str = Field(default="", description="HF model id or local path the worker loads.")
+    served_model_name: str = Field(default="", description="Name clients use; default: model's folder name.")
+    device: str = "cpu"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+    # Job state machine.
+    lease_seconds: float = Field(default=300.0, gt=0)
+    heartbeat_seconds: float = Field(default=0.0, ge=0, description="0 means lease_seconds / 3.")
+    max_attempts: int = Field(default=3, ge=1)
+    retry_backoff_seconds: float = Field(default=2.0, ge=0)
+
+    # Worker batching.
+    worker_concurrency: int = Field(default=32, ge=1, description="Jobs one worker holds in flight.")
+    max_batch_size: int = Field(default=32, ge=1, description="Jobs per generation batch.")
+    batch_wait_ms: float = Field(default=20.0, ge=0, description="How long to gather a batch once one arrives.")
+
+    # Input limits.
+    max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
+    max_image_bytes: int = Field(default=20 * 1024 * 1024, ge=1024)
+    max_image_pixels: int = Field(default=40_000_000, ge=1)
+    max_images_per_job: int = Field(default=16, ge=1)
+    max_image_frames: int = Field(default=1000, ge=1, description="Animated images above this are refused.")
+    max_tokens_limit: int = Field(default=4096, ge=1)
+    allowed_image_formats: list[str] = Field(default_factory=lambda: ["JPEG", "PNG", "WEBP", "GIF", "BMP"])
+
+    @field_validator("data_dir", "storage_dir")
+    @classmethod
+    def _expand(cls, value: Path | None) -> Path | None:
+        return value.expanduser() if value is not None else None
+
+    @field_validator("allowed_image_formats")
+    @classmethod
+    def _upper(cls, value: list[str]) -> list[str]:
+        return [v.strip().upper() for v in value if v.strip()]
+
+    @model_validator(mode="after")
+    def _fill_derived(self) -> Settings:
+        if not self.database_url:
+            self.database_url = f"sqlite:///{self.data_dir / 'vlmq.db'}"
+        if self.storage_dir is None:
+            self.storage_dir = self.data_dir / "objects"
+        if not self.served_model_name and self.model:
+            self.served_model_name = Path(self.model.rstrip("/")).name or self.model
+        if self.heartbeat_seconds == 0:
+            self.heartbeat_seconds = self.lease_seconds / 3
+        if self.heartbeat_seconds >= self.lease_seconds:
+            raise ValueError("heartbeat_seconds must be shorter than lease_seconds")
+        return self
+
+    @property
+    def embedded_broker(self) -> bool:
+        return self.broker_url.startswith("memory://")
+
+    @property
+    def job_queue(self) -> str:
+        """Each served model has its own queue, so workers of different models never steal jobs."""
+        return "jobs." + re.sub(r"[^A-Za-z0-9_.-]", "_", self.served_model_name or "default")
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    return Settings()

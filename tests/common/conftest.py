@@ -1,0 +1,27 @@
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from common.db import Database
+from common.migrate import upgrade
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Database]:
+    """A migrated database on each backend vlmq runs on; Postgres tables are emptied afterwards."""
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path / 'vlmq.db'}"
+    else:
+        url = request.getfixturevalue("pg_url")
+    upgrade(url)
+    database = Database(url)
+    yield database
+    from sqlalchemy import text
+
+    with database.session() as session:
+        session.execute(text("DELETE FROM jobs"))
+        session.execute(text("DELETE FROM images"))
+    database.dispose()

@@ -1,0 +1,151 @@
+"""The job state machine on SQLite and Postgres: every transition is a conditional update."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+from sqlalchemy import update
+
+from common import jobs
+from common.db import Database
+from common.models import Job, JobStatus, utcnow
+
+REQUEST = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+           "sampling": {"max_tokens": 4, "temperature": 0.0, "top_p": 1.0, "seed": None, "stop": []}}
+RESULT = jobs.JobResult("results/x.json", "hello", "stop", 7, 2)
+
+
+def _new_job(db: Database, max_attempts: int = 3) -> str:
+    with db.session() as s:
+        return jobs.create_job(s, model="m", request=REQUEST, max_attempts=max_attempts).id
+
+
+def _get(db: Database, job_id: str) -> Job:
+    with db.session() as s:
+        job = s.get(Job, job_id)
+        assert job is not None
+        return job
+
+
+def test_claim_twice_one_wins(db: Database) -> None:
+    job_id = _new_job(db)
+    with db.session() as s:
+        first = jobs.claim(s, job_id, "w1", 60)
+    with db.session() as s:
+        second = jobs.claim(s, job_id, "w2", 60)
+    assert first is not None and first.status == JobStatus.RUNNING and first.lease_owner == "w1"
+    assert second is None
+    job = _get(db, job_id)
+    assert job.attempts == 1 and job.lease_owner == "w1" and job.started_at is not None
+
+
+def test_concurrent_claims_exactly_one_wins(db: Database) -> None:
+    job_id = _new_job(db)
+    winners: list[str] = []
+    barrier = threading.Barrier(8)
+
+    def attempt(name: str) -> None:
+        barrier.wait()
+        with db.session() as s:
+            if jobs.claim(s, job_id, name, 60) is not None:
+                winners.append(name)
+
+    threads = [threading.Thread(target=attempt, args=(f"w{i}",)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(winners) == 1
+    assert _get(db, job_id).lease_owner == winners[0]
+
+
+def test_finish_by_worker_that_lost_its_lease_is_refused(db: Database) -> None:
+    job_id = _new_job(db)
+    with db.session() as s:
+        assert jobs.claim(s, job_id, "w1", 60) is not None
+    # w1's lease runs out and w2 takes the job over.
+    with db.session() as s:
+        s.execute(update(Job).where(Job.id == job_id).values(lease_until=utcnow() - timedelta(seconds=1)))
+    with db.session() as s:
+        assert jobs.claim(s, job_id, "w2", 60) is not None
+    with db.session() as s:
+        assert jobs.finish(s, job_id, "w1", RESULT) is False
+    with db.session() as s:
+        assert jobs.finish(s, job_id, "w2", RESULT) is True
+    job = _get(db, job_id)
+    assert job.status == JobStatus.SUCCEEDED and job.result_text == "hello" and job.attempts == 2
+    with db.session() as s:  # terminal stays terminal
+        assert jobs.finish(s, job_id, "w2", RESULT) is False
+        assert jobs.cancel(s, job_id) is False
+        assert jobs.claim(s, job_id, "w3", 60) is None
+
+
+def test_heartbeat_extends_only_own_leases(db: Database) -> None:
+    a, b = _new_job(db), _new_job(db)
+    with db.session() as s:
+        jobs.claim(s, a, "w1", 1)
+        jobs.claim(s, b, "w2", 1)
+    before = _get(db, a).lease_until
+    with db.session() as s:
+        assert jobs.heartbeat(s, [a, b], "w1", 120) == 1
+    assert _get(db, a).lease_until > before + timedelta(seconds=60)
+    assert _get(db, b).lease_until < utcnow() + timedelta(seconds=5)
+
+
+def test_release_requeues_then_dead_after_max_attempts(db: Database) -> None:
+    job_id = _new_job(db, max_attempts=2)
+    with db.session() as s:
+        jobs.claim(s, job_id, "w1", 60)
+        assert jobs.release(s, job_id, "w1", "worker_error", "boom") == JobStatus.QUEUED
+    job = _get(db, job_id)
+    assert job.status == JobStatus.QUEUED and job.lease_owner is None and job.error_message == "boom"
+    with db.session() as s:
+        jobs.claim(s, job_id, "w2", 60)
+        assert jobs.release(s, job_id, "w2", "worker_error", "boom again") == JobStatus.DEAD
+    job = _get(db, job_id)
+    assert job.status == JobStatus.DEAD and job.attempts == 2 and job.finished_at is not None
+    with db.session() as s:
+        assert jobs.claim(s, job_id, "w3", 60) is None
+
+
+def test_fail_is_terminal(db: Database) -> None:
+    job_id = _new_job(db)
+    with db.session() as s:
+        jobs.claim(s, job_id, "w1", 60)
+        assert jobs.fail(s, job_id, "w1", "invalid_input", "bad image") is True
+    job = _get(db, job_id)
+    assert job.status == JobStatus.FAILED and job.error_code == "invalid_input"
+    with db.session() as s:
+        assert jobs.claim(s, job_id, "w1", 60) is None
+
+
+def test_cancel_queued_and_running_refuses_late_finish(db: Database) -> None:
+    queued, running = _new_job(db), _new_job(db)
+    with db.session() as s:
+        jobs.claim(s, running, "w1", 60)
+    with db.session() as s:
+        assert jobs.cancel(s, queued) is True
+        assert jobs.cancel(s, running) is True
+    with db.session() as s:
+        assert jobs.finish(s, running, "w1", RESULT) is False
+        assert jobs.claim(s, queued, "w1", 60) is None
+    assert _get(db, running).status == JobStatus.CANCELLED
+    assert _get(db, queued).status == JobStatus.CANCELLED
+
+
+def test_reap_requeues_expired_and_kills_exhausted(db: Database) -> None:
+    again, exhausted, alive = _new_job(db, 3), _new_job(db, 1), _new_job(db, 3)
+    with db.session() as s:
+        for job_id in (again, exhausted):
+            jobs.claim(s, job_id, "w1", 0.01)
+        jobs.claim(s, alive, "w1", 600)
+    time.sleep(0.05)
+    with db.session() as s:
+        outcome = jobs.reap(s)
+    assert outcome[JobStatus.QUEUED] == [again]
+    assert outcome[JobStatus.DEAD] == [exhausted]
+    assert _get(db, again).status == JobStatus.QUEUED
+    assert _get(db, exhausted).status == JobStatus.DEAD
+    assert _get(db, alive).status == JobStatus.RUNNING

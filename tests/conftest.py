@@ -1,0 +1,109 @@
+"""Real parts for the tests: the machine's Postgres and Redis, moto's S3 server over HTTP, tiny checkpoints.
+
+Nothing here mocks our own services. Each test session gets its own Postgres database, its own Redis db
+number and its own S3 server process, so runs never see each other's state.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+import redis
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+PG_ADMIN_URL = os.environ.get("VLMQ_TEST_PG_ADMIN", "postgresql://postgres@127.0.0.1:5432/postgres")
+REDIS_BASE = os.environ.get("VLMQ_TEST_REDIS", "redis://127.0.0.1:6379")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(port: int, timeout: float = 30.0, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before listening on {port}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout}s")
+
+
+@pytest.fixture(scope="session")
+def pg_url() -> Iterator[str]:
+    """A fresh Postgres database for this test session."""
+    name = f"vlmq_test_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    url = PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
+    yield url.replace("postgresql://", "postgresql+psycopg://", 1)
+    from common.db import _databases
+
+    for db in list(_databases.values()):
+        db.dispose()
+    with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    """A Redis db number of its own, flushed before and after."""
+    client = redis.Redis.from_url(f"{REDIS_BASE}/0")
+    db_index = 1 + int(uuid.uuid4().int % 15)
+    url = f"{REDIS_BASE}/{db_index}"
+    redis.Redis.from_url(url).flushdb()
+    yield url
+    redis.Redis.from_url(url).flushdb()
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    """moto's standalone S3 server in its own process, spoken to over HTTP."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_for_port(port, proc=proc)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@pytest.fixture(scope="session")
+def s3_env(s3_endpoint: str) -> dict[str, str]:
+    """VLMQ_* settings for the S3 backend against the test server (moto accepts any credentials)."""
+    return {
+        "VLMQ_STORAGE_BACKEND": "s3",
+        "VLMQ_S3_ENDPOINT_URL": s3_endpoint,
+        "VLMQ_S3_BUCKET": f"vlmq-test-{uuid.uuid4().hex[:8]}",
+        "VLMQ_S3_ACCESS_KEY_ID": "testing",
+        "VLMQ_S3_SECRET_ACCESS_KEY": "testing",
+    }
+
+
+@pytest.fixture(scope="session")
+def tiny_llava_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from worker.tiny_model import build_tiny_llava
+
+    return build_tiny_llava(tmp_path_factory.mktemp("models") / "tiny-llava", seed=0)
