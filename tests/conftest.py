@@ -107,3 +107,49 @@ def tiny_llava_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from worker.tiny_model import build_tiny_llava
 
     return build_tiny_llava(tmp_path_factory.mktemp("models") / "tiny-llava", seed=0)
+
+
+class ApiServer:
+    """The real app under uvicorn on a loopback port, in a thread of the test process."""
+
+    def __init__(self, settings: object) -> None:
+        import threading
+
+        import uvicorn
+
+        from api.main import create_app
+
+        self.app = create_app(settings)  # type: ignore[arg-type]
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> ApiServer:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("API server did not start")
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="session")
+def service_env(pg_url: str, redis_url: str, s3_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+                ) -> dict[str, str]:
+    """VLMQ_* environment for the service configuration: Postgres, Redis, S3 server."""
+    from common.migrate import upgrade
+
+    upgrade(pg_url)
+    return {
+        "VLMQ_DATABASE_URL": pg_url,
+        "VLMQ_BROKER_URL": redis_url,
+        "VLMQ_DATA_DIR": str(tmp_path_factory.mktemp("vlmq-data")),
+        **s3_env,
+    }

@@ -1,0 +1,213 @@
+"""The jobs and images API over real HTTP, on Postgres, Redis and the S3 server (no worker needed here)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import uuid
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import redis
+from PIL import Image
+
+from common.settings import Settings
+from tests.conftest import ApiServer
+
+MODEL = "tiny-test-model"
+
+
+def png_bytes(color: tuple[int, int, int] = (200, 30, 30), size: tuple[int, int] = (24, 16)) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", size, color).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64," + base64.b64encode(data).decode()
+
+
+def chat_body(image_url: str | None = None, text: str = "What is this?", **extra: object) -> dict:
+    content: list[dict] = [{"type": "text", "text": text}]
+    if image_url is not None:
+        content.insert(0, {"type": "image_url", "image_url": {"url": image_url}})
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 8, **extra}
+
+
+@pytest.fixture(scope="module")
+def settings(service_env: dict[str, str]) -> Settings:
+    env = {k.removeprefix("VLMQ_").lower(): v for k, v in service_env.items()}
+    return Settings(**env, model=f"/models/{MODEL}", max_body_bytes=256 * 1024, max_image_pixels=1_000_000)
+
+
+@pytest.fixture(scope="module")
+def api(settings: Settings) -> Iterator[httpx.Client]:
+    with ApiServer(settings) as server, httpx.Client(base_url=server.url, timeout=30) as client:
+        yield client
+
+
+def test_health_and_ready(api: httpx.Client) -> None:
+    assert api.get("/healthz").json() == {"status": "ok"}
+    ready = api.get("/readyz")
+    assert ready.status_code == 200, ready.text
+    assert ready.json()["checks"] == {"sql": "ok", "broker": "ok", "storage": "ok"}
+
+
+def test_submit_json_job_is_queued_and_dispatched(api: httpx.Client, settings: Settings) -> None:
+    response = api.post("/v1/jobs", json=chat_body(data_url(png_bytes()), priority=7, metadata={"k": "v"}))
+    assert response.status_code == 202, response.text
+    job = response.json()
+    assert job["status"] == "queued" and job["model"] == MODEL and job["priority"] == 7
+    assert job["metadata"] == {"k": "v"} and job["attempts"] == 0 and job["result"] is None
+    assert api.get(f"/v1/jobs/{job['id']}").json()["id"] == job["id"]
+    # The Celery message sits in the model's Redis queue, addressed to the task by name.
+    # Celery keeps one Redis list per priority step: "<queue>" and "<queue>\x06\x16<step>".
+    client = redis.Redis.from_url(settings.broker_url)
+    keys = [k for k in client.keys(settings.job_queue + "*") if k.decode().startswith(settings.job_queue)]
+    bodies = [json.loads(m) for key in keys for m in client.lrange(key, 0, -1)]
+    mine = [b for b in bodies if b["headers"]["argsrepr"] == repr([job["id"]])]
+    assert len(mine) == 1 and mine[0]["headers"]["task"] == "vlmq.run_job"
+    assert mine[0]["properties"]["priority"] == 2  # our 7 is Celery's 2 (0 is highest on Redis)
+
+
+def test_upload_image_once_and_reference_it(api: httpx.Client) -> None:
+    data = png_bytes((1, 2, 3))
+    first = api.post("/v1/images", files={"file": ("a.png", data, "image/png")})
+    second = api.post("/v1/images", files={"file": ("b.png", data, "image/png")})
+    assert first.status_code == 201 and second.status_code == 201
+    image = first.json()
+    assert image["id"] == second.json()["id"] and image["id"].startswith("img_")
+    assert (image["width"], image["height"], image["format"]) == (24, 16, "PNG")
+    assert api.get(f"/v1/images/{image['id']}").json()["sha256"] == image["sha256"]
+    job = api.post("/v1/jobs", json=chat_body(image["id"]))
+    assert job.status_code == 202, job.text
+
+
+def test_multipart_job(api: httpx.Client) -> None:
+    response = api.post(
+        "/v1/jobs",
+        data={"prompt": "Describe.", "max_tokens": "5", "priority": "9", "stop": ["\n"]},
+        files=[("image", ("x.png", png_bytes((9, 9, 9)), "image/png")),
+               ("image", ("y.png", png_bytes((8, 8, 8)), "image/png"))],
+    )
+    assert response.status_code == 202, response.text
+    assert response.json()["priority"] == 9
+
+
+def test_idempotency_key_returns_same_job(api: httpx.Client) -> None:
+    key = f"key-{uuid.uuid4()}"
+    first = api.post("/v1/jobs", json=chat_body(text="one"), headers={"Idempotency-Key": key})
+    again = api.post("/v1/jobs", json=chat_body(text="one"), headers={"Idempotency-Key": key})
+    assert first.status_code == 202 and again.status_code == 200
+    assert first.json()["id"] == again.json()["id"]
+
+
+def test_list_with_status_filter_and_cursor(api: httpx.Client) -> None:
+    ids = [api.post("/v1/jobs", json=chat_body(text=f"list {i}")).json()["id"] for i in range(5)]
+    seen: list[str] = []
+    cursor = None
+    while True:
+        params = {"status": "queued", "limit": 2, **({"after": cursor} if cursor else {})}
+        page = api.get("/v1/jobs", params=params).json()
+        assert all(j["status"] == "queued" for j in page["data"])
+        seen += [j["id"] for j in page["data"]]
+        if not page["has_more"]:
+            break
+        cursor = page["next_cursor"]
+    assert seen == sorted(seen, reverse=True)  # newest first, no repeats
+    assert len(seen) == len(set(seen)) and set(ids) <= set(seen)
+    bad = api.get("/v1/jobs", params={"status": "nonsense"})
+    assert bad.status_code == 422 and "status" in bad.json()["error"]["message"]
+
+
+def test_cancel(api: httpx.Client) -> None:
+    job_id = api.post("/v1/jobs", json=chat_body(text="cancel me")).json()["id"]
+    cancelled = api.post(f"/v1/jobs/{job_id}/cancel")
+    assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
+    assert api.post(f"/v1/jobs/{job_id}/cancel").json()["status"] == "cancelled"
+    result = api.get(f"/v1/jobs/{job_id}/result")
+    assert result.status_code == 409 and "cancelled" in result.json()["error"]["message"]
+
+
+def _error(response: httpx.Response, status: int) -> str:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert body["error"]["message"]
+    return body["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [
+        ({"model": MODEL}, "messages: Field required"),
+        ({"model": MODEL, "messages": []}, "messages: List should have at least 1 item"),
+        ({"model": MODEL, "messages": [{"role": "user"}]}, "messages.0.content: Field required"),
+        ({"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
+        (chat_body(max_tokens=0), "max_tokens: Input should be greater than or equal to 1"),
+        (chat_body(temperature=5), "temperature"),
+        (chat_body(priority=12), "priority"),
+        (chat_body(n=3), "n: Input should be 1"),
+        (chat_body(stop=["a", "b", "c", "d", "e"]), "at most 4 stop sequences"),
+        (chat_body(max_tokens=10**9), "exceeds this server's limit"),
+        (chat_body(bogus=1), "bogus: Extra inputs are not permitted"),
+    ],
+)
+def test_invalid_bodies_are_4xx_with_a_message(api: httpx.Client, body: dict, fragment: str) -> None:
+    response = api.post("/v1/jobs", json=body)
+    assert response.status_code in (400, 422), response.text
+    assert fragment in response.json()["error"]["message"]
+
+
+def test_unknown_model_is_404(api: httpx.Client) -> None:
+    body = {**chat_body(), "model": "gpt-7"}
+    assert "not served here" in _error(api.post("/v1/jobs", json=body), 404)
+
+
+def test_unknown_image_id(api: httpx.Client) -> None:
+    message = _error(api.post("/v1/jobs", json=chat_body("img_" + "0" * 64)), 400)
+    assert "unknown image id" in message
+
+
+def test_undecodable_images(api: httpx.Client) -> None:
+    assert "not a recognized image" in _error(api.post("/v1/jobs", json=chat_body(data_url(b"not an image"))), 400)
+    truncated = png_bytes()[:-30]
+    assert "truncated or corrupt" in _error(api.post("/v1/jobs", json=chat_body(data_url(truncated))), 400)
+    assert "base64" in _error(api.post("/v1/jobs", json=chat_body("data:image/png;base64,@@@")), 400)
+    big = png_bytes(size=(2000, 1000))  # 2 MP > this server's 1 MP limit
+    assert "too large" in _error(api.post("/v1/jobs", json=chat_body(data_url(big))), 400)
+    upload = api.post("/v1/images", files={"file": ("t.png", b"GIF89a-garbage", "image/png")})
+    assert "corrupt" in _error(upload, 400) or "not a recognized" in upload.json()["error"]["message"]
+    remote = api.post("/v1/jobs", json=chat_body("https://example.com/cat.png"))
+    assert "remote image URLs are not enabled" in _error(remote, 400)
+
+
+def test_wrong_content_type_and_bad_json(api: httpx.Client) -> None:
+    message = _error(api.post("/v1/jobs", content=b"prompt=hi", headers={"content-type": "text/plain"}), 415)
+    assert "unsupported content type" in message
+    assert "not valid JSON" in _error(
+        api.post("/v1/jobs", content=b"{nope", headers={"content-type": "application/json"}), 400
+    )
+    assert "JSON object" in _error(api.post("/v1/jobs", json=[1, 2]), 400)
+    assert "prompt" in _error(api.post("/v1/jobs", data={"x": "y"}, files={"image": ("a.png", b"z")}), 400)
+
+
+def test_oversize_body_is_413(api: httpx.Client) -> None:
+    huge = chat_body(text="x" * (300 * 1024))
+    assert "exceeds the limit" in _error(api.post("/v1/jobs", json=huge), 413)
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: the limit must hold while streaming
+        yield b'{"model": "tiny-test-model", "messages": [{"role": "user", "content": "'
+        for _ in range(40):
+            yield b"y" * 8192
+        yield b'"}]}'
+
+    streamed = api.post("/v1/jobs", content=chunks(), headers={"content-type": "application/json"})
+    assert streamed.status_code == 413, streamed.text
+
+
+def test_missing_job_is_404(api: httpx.Client) -> None:
+    assert "not found" in _error(api.get("/v1/jobs/job_nope"), 404)
+    assert "not found" in _error(api.post("/v1/jobs/job_nope/cancel"), 404)
+    assert "not found" in _error(api.get("/v1/images/img_nope"), 404)
