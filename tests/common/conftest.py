@@ -12,10 +12,8 @@ from common.migrate import upgrade
 @pytest.fixture(params=["sqlite", "postgres"])
 def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Database]:
     """A migrated database on each backend vlmq runs on; Postgres tables are emptied afterwards."""
-    if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path / 'vlmq.db'}"
-    else:
-        url = request.getfixturevalue("pg_url")
+    sqlite = request.param == "sqlite"
+    url = f"sqlite:///{tmp_path / 'vlmq.db'}" if sqlite else request.getfixturevalue("pg_url")
     upgrade(url)
     database = Database(url)
     yield database

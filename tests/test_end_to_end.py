@@ -1,0 +1,121 @@
+"""One job type, the whole path: HTTP -> Postgres/S3 -> Redis -> a real `vlmq worker` process -> S3/SQL.
+
+Twenty jobs with different images and prompts must all succeed, and each answer must be exactly what HF
+`generate` gives for that job alone, although the worker ran them together in batches.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from PIL import Image
+
+from common.settings import Settings
+from tests.api.test_jobs_api import data_url
+from tests.conftest import ApiServer
+from tests.hf_reference import hf_generate_alone, hf_messages
+from worker.model_loader import load_model
+
+WORDS = "what colour is the shape describe this picture briefly how many things can you see here".split()
+
+
+def make_image(rng: random.Random) -> bytes:
+    size = (rng.randint(20, 120), rng.randint(20, 120))
+    img = Image.new("RGB", size, tuple(rng.randint(0, 255) for _ in range(3)))
+    px = img.load()
+    for _ in range(60):
+        px[rng.randrange(size[0]), rng.randrange(size[1])] = tuple(rng.randint(0, 255) for _ in range(3))
+    buf = io.BytesIO()
+    img.save(buf, format=rng.choice(["PNG", "JPEG", "WEBP"]))
+    return buf.getvalue()
+
+
+def make_jobs(n: int, seed: int = 1) -> list[dict]:
+    rng = random.Random(seed)
+    bodies = []
+    for i in range(n):
+        images = [make_image(rng) for _ in range(2 if i == 5 else 1)]
+        text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 12)))
+        content = [{"type": "image_url", "image_url": {"url": data_url(b)}} for b in images]
+        content.append({"type": "text", "text": text})
+        messages: list[dict] = [{"role": "user", "content": content}]
+        if i % 4 == 0:
+            messages.insert(0, {"role": "system", "content": "You are terse."})
+        bodies.append({"messages": messages, "max_tokens": rng.randint(4, 16)})
+    return bodies
+
+
+def wait_terminal(client: httpx.Client, ids: list[str], timeout: float) -> dict[str, dict]:
+    deadline = time.monotonic() + timeout
+    jobs: dict[str, dict] = {}
+    while time.monotonic() < deadline:
+        jobs = {i: client.get(f"/v1/jobs/{i}").json() for i in ids}
+        if all(j["status"] not in ("queued", "running") for j in jobs.values()):
+            return jobs
+        time.sleep(0.5)
+    raise TimeoutError(f"jobs not finished: { {i: j['status'] for i, j in jobs.items()} }")
+
+
+@pytest.mark.slow
+def test_twenty_jobs_through_the_service_match_hf(service_env: dict[str, str], tiny_llava_path: Path,
+                                                   tmp_path: Path) -> None:
+    env = {**os.environ, **service_env, "VLMQ_MODEL": str(tiny_llava_path), "VLMQ_WORKER_CONCURRENCY": "24",
+           "VLMQ_MAX_BATCH_SIZE": "24", "VLMQ_BATCH_WAIT_MS": "300", "OMP_NUM_THREADS": "2"}
+    log_path = tmp_path / "worker.log"
+    with log_path.open("wb") as log:
+        worker = subprocess.Popen([sys.executable, "-m", "common.cli", "worker", "--loglevel", "WARNING"],
+                                  env=env, stdout=log, stderr=subprocess.STDOUT)
+    settings = Settings(**{k.removeprefix("VLMQ_").lower(): v for k, v in service_env.items()},
+                        model=str(tiny_llava_path))
+    bodies = make_jobs(20)
+    try:
+        with ApiServer(settings) as server, httpx.Client(base_url=server.url, timeout=60) as client:
+            ids = []
+            for body in bodies:
+                response = client.post("/v1/jobs", json=body)
+                assert response.status_code == 202, response.text
+                ids.append(response.json()["id"])
+            jobs = wait_terminal(client, ids, timeout=300)
+            results = {i: client.get(f"/v1/jobs/{i}/result").json() for i in ids}
+    finally:
+        worker.terminate()
+        worker.wait(30)
+    assert all(j["status"] == "succeeded" for j in jobs.values()), log_path.read_text()[-3000:]
+    assert all(j["attempts"] == 1 for j in jobs.values())
+
+    loaded = load_model(str(tiny_llava_path))
+    torch.manual_seed(0)
+    for job_id, body in zip(ids, bodies, strict=True):
+        job = jobs[job_id]
+        images = [Image.open(io.BytesIO(_decode(p["image_url"]["url"]))).convert("RGB")
+                  for m in body["messages"] if isinstance(m["content"], list)
+                  for p in m["content"] if p["type"] == "image_url"]
+        text, n_completion, n_prompt = hf_generate_alone(loaded, hf_messages(body["messages"]), images,
+                                                         body["max_tokens"])
+        assert job["result"]["text"] == text, job_id
+        assert job["result"]["usage"]["completion_tokens"] == n_completion
+        assert job["result"]["usage"]["prompt_tokens"] == n_prompt
+        # The full response object in S3 is the OpenAI chat.completion the row summarises.
+        stored = results[job_id]
+        assert stored["object"] == "chat.completion" and stored["choices"][0]["message"]["content"] == text
+        assert stored["usage"]["total_tokens"] == n_prompt + n_completion
+
+    # Jobs ran together, not one at a time: some were running at the same moment.
+    spans = sorted((j["started_at"], j["finished_at"]) for j in jobs.values())
+    overlapping = max(sum(1 for s, f in spans if s <= start < f) for start, _ in spans)
+    assert overlapping >= 4
+
+
+def _decode(url: str) -> bytes:
+    import base64
+
+    return base64.b64decode(url.split(",", 1)[1])

@@ -1,0 +1,18 @@
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# tests/conftest.py sets these too (and provides the session-scoped `tiny_llava_path` CLIP checkpoint);
+# repeated here so nothing under tests/worker can reach the hub even if that file changes.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_llava_siglip_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from worker.tiny_model import build_tiny_llava
+
+    return build_tiny_llava(tmp_path_factory.mktemp("tiny_llava_siglip"), seed=1, vision="siglip")

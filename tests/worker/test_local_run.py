@@ -1,0 +1,92 @@
+"""`vlmq run` on embedded defaults (SQLite, in-process broker and worker, local folder), as a user runs it."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from tests.api.test_jobs_api import data_url
+from tests.hf_reference import hf_generate_alone, hf_messages
+from tests.test_end_to_end import make_jobs
+from worker.model_loader import load_model
+
+
+def _write_input(path: Path) -> list[dict]:
+    bodies = make_jobs(12, seed=7)
+    lines = [json.dumps({"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions", "body": b})
+             for i, b in enumerate(bodies)]
+    rng = random.Random(3)
+    text_only = {"messages": [{"role": "user", "content": "Say something."}], "max_tokens": 6}
+    lines.append(json.dumps({"custom_id": "text-only", "method": "POST", "url": "/v1/chat/completions",
+                             "body": text_only}))
+    bodies.append(text_only)
+    bad_image = {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(b"definitely not an image")}},
+        {"type": "text", "text": "hi"}]}], "max_tokens": 4}
+    lines.append(json.dumps({"custom_id": "bad-image", "method": "POST", "url": "/v1/chat/completions",
+                             "body": bad_image}))
+    lines.append("{this is not json")
+    lines.append(json.dumps({"custom_id": "req-0", "method": "POST", "url": "/v1/chat/completions",
+                             "body": bodies[0]}))  # duplicate custom_id
+    lines.append(json.dumps({"custom_id": "no-messages", "body": {"max_tokens": 3}}))
+    del rng
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return bodies
+
+
+def test_vlmq_run_embedded_matches_hf(tiny_llava_path: Path, tmp_path: Path) -> None:
+    input_path, output_path = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    bodies = _write_input(input_path)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLMQ_")}
+    env.update({"VLMQ_DATA_DIR": str(tmp_path / "state"), "OMP_NUM_THREADS": "2"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "common.cli", "run", str(input_path), "-o", str(output_path),
+         "--model", str(tiny_llava_path)],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "13 succeeded" in proc.stderr and "4 refused" in proc.stderr, proc.stderr[-2000:]
+    assert (tmp_path / "state" / "vlmq.db").exists()  # embedded SQLite
+    assert any((tmp_path / "state" / "objects" / "results").iterdir())  # local object folder
+
+    lines = [json.loads(line) for line in output_path.read_text().splitlines()]
+    assert len(lines) == 17
+    by_id = {line["custom_id"]: line for line in lines if line["custom_id"] and line["response"]}
+    loaded = load_model(str(tiny_llava_path))
+    torch.manual_seed(0)
+    for i, body in enumerate(bodies):
+        custom_id = "text-only" if i == len(bodies) - 1 else f"req-{i}"
+        line = by_id[custom_id]
+        assert line["id"].startswith("batch_req_") and line["error"] is None
+        assert line["response"]["status_code"] == 200
+        completion = line["response"]["body"]
+        assert completion["object"] == "chat.completion"
+        images = [Image.open(io.BytesIO(_raw(p["image_url"]["url"]))).convert("RGB")
+                  for m in body["messages"] if isinstance(m["content"], list)
+                  for p in m["content"] if p["type"] == "image_url"]
+        text, n_completion, n_prompt = hf_generate_alone(loaded, hf_messages(body["messages"]), images,
+                                                         body["max_tokens"])
+        assert completion["choices"][0]["message"]["content"] == text, custom_id
+        assert completion["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": n_completion,
+                                       "total_tokens": n_prompt + n_completion}
+
+    errors = [line for line in lines if line["error"] is not None]
+    codes = sorted(e["error"]["code"] for e in errors)
+    assert codes == ["duplicate_custom_id", "invalid_image", "invalid_json", "invalid_request"]
+    assert all(e["response"] is None and e["error"]["message"] for e in errors)
+    # Output keeps input order.
+    assert [line["custom_id"] for line in lines[:12]] == [f"req-{i}" for i in range(12)]
+
+
+def _raw(url: str) -> bytes:
+    import base64
+
+    return base64.b64decode(url.split(",", 1)[1])

@@ -1,0 +1,113 @@
+"""Greedy cross-job batching in front of a model backend.
+
+Many Celery task threads submit prepared requests; one generation thread takes whatever has arrived (waiting
+`batch_wait_s` for more once the first is there, up to `max_batch_size`) and runs it as one batch: one vision
+forward for all images, one generation for all prompts. torch runs in this one thread only.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from worker.generation import GenerationRequest, GenerationResult
+
+log = logging.getLogger(__name__)
+
+
+class Backend(Protocol):
+    def prepare(self, req: GenerationRequest) -> Any: ...
+    def generate(self, batch: list[Any]) -> list[GenerationResult]: ...
+
+
+@dataclass
+class BatchStats:
+    num_batches: int = 0
+    num_requests: int = 0
+    batch_sizes: list[int] = field(default_factory=list)
+
+    @property
+    def max_batch_size(self) -> int:
+        return max(self.batch_sizes, default=0)
+
+
+class BatchingGenerator:
+    def __init__(self, backend: Backend, *, max_batch_size: int = 32, batch_wait_s: float = 0.02) -> None:
+        self.backend = backend
+        self.max_batch_size = max_batch_size
+        self.batch_wait_s = batch_wait_s
+        self.stats = BatchStats()
+        self._pending: queue.Queue[tuple[Any, Future[GenerationResult]] | None] = queue.Queue()
+        self._closed = threading.Event()
+        self._prepare_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._loop, name="vlmq-generate", daemon=True)
+        self._thread.start()
+
+    def prepare(self, req: GenerationRequest) -> Any:
+        """Tokenise and preprocess images in the caller's thread, off the generation thread.
+
+        Serialised: HF fast tokenizers raise "Already borrowed" when one is used from two threads at once."""
+        with self._prepare_lock:
+            return self.backend.prepare(req)
+
+    def submit(self, prepared: Any) -> Future[GenerationResult]:
+        if self._closed.is_set():
+            raise RuntimeError("generator is closed")
+        future: Future[GenerationResult] = Future()
+        self._pending.put((prepared, future))
+        return future
+
+    def close(self, timeout: float = 10.0) -> None:
+        self._closed.set()
+        self._pending.put(None)
+        self._thread.join(timeout)
+
+    def _take_batch(self) -> list[tuple[Any, Future[GenerationResult]]]:
+        first = self._pending.get()
+        if first is None:
+            return []
+        batch = [first]
+        deadline = time.monotonic() + self.batch_wait_s
+        while len(batch) < self.max_batch_size:
+            remaining = deadline - time.monotonic()
+            try:
+                item = self._pending.get(timeout=max(remaining, 0)) if remaining > 0 else self._pending.get_nowait()
+            except queue.Empty:
+                break
+            if item is None:
+                self._pending.put(None)  # keep the close signal for the loop
+                break
+            batch.append(item)
+        return batch
+
+    def _loop(self) -> None:
+        while not self._closed.is_set():
+            batch = self._take_batch()
+            if not batch:
+                continue
+            live = [(p, f) for p, f in batch if f.set_running_or_notify_cancel()]
+            if live:
+                self._run(live)
+
+    def _run(self, batch: list[tuple[Any, Future[GenerationResult]]]) -> None:
+        self.stats.num_batches += 1
+        self.stats.num_requests += len(batch)
+        self.stats.batch_sizes.append(len(batch))
+        try:
+            results = self.backend.generate([p for p, _ in batch])
+        except Exception as exc:
+            if len(batch) == 1:
+                batch[0][1].set_exception(exc)
+                return
+            # One bad request must not fail its batch-mates: isolate it by running each alone.
+            log.warning("batch of %d failed (%s); retrying one by one", len(batch), exc)
+            for item in batch:
+                self._run([item])
+            return
+        for (_, future), result in zip(batch, results, strict=True):
+            future.set_result(result)

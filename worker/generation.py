@@ -1,0 +1,68 @@
+"""The contract between the worker pipeline and any model backend.
+
+Torch-free on purpose: the job-handling side of the worker (claiming, image loading, persisting results)
+builds and reads these objects without importing a model stack.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    # 0 means greedy: the same request always gives the same tokens, whatever batch it lands in.
+    temperature: float = 0.0
+    top_p: float = 1.0
+    # With a seed, a sampled request is reproducible on its own, independent of the other jobs in its batch.
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    def validate(self) -> None:
+        """Raise InputError for values no backend can honour (checked before any model work)."""
+        if self.max_tokens < 1:
+            raise InputError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0.0:
+            raise InputError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InputError(f"top_p must be in (0, 1], got {self.top_p}")
+        if any(not s for s in self.stop):
+            raise InputError("stop strings must be non-empty")
+
+
+@dataclass
+class GenerationRequest:
+    request_id: str
+    # HF chat format: {"role": ..., "content": [{"type": "text", "text": ...} | {"type": "image"}]};
+    # content may also be a plain str.
+    messages: list[dict[str, Any]]
+    # RGB, in the order of the {"type": "image"} parts across all messages.
+    images: list[Image.Image]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    # "stop" (EOS or a stop string) or "length" (max_tokens or the model's context ran out).
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class InputError(ValueError):
+    """The request cannot run on this model (image count != placeholders, prompt longer than context...).
+
+    Never retried; the message is shown to the user.
+    """

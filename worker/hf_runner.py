@@ -1,0 +1,319 @@
+"""Interim backend: cross-request batched generation on top of HF `model.generate`.
+
+One `generate(batch)` call runs the vision tower once over every image of every request (grouped by pixel
+shape), merges the image embeddings into the token embeddings at the placeholder positions, left-pads the
+whole batch into one `inputs_embeds` tensor and decodes all requests together in a single `model.generate`
+call. Greedy requests get exactly the tokens HF `generate` gives for that request alone; sampled requests
+draw from their own seeded generator, so a seed reproduces its output whatever else shares the batch.
+
+It stands in until the paged engine (worker/engine) lands; it pads, so it wastes compute on ragged batches.
+"""
+
+from __future__ import annotations
+
+import copy
+import secrets
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+
+from worker.generation import GenerationRequest, GenerationResult, InputError, SamplingParams
+from worker.model_loader import LoadedModel
+
+# Processor outputs that describe the text side; everything else the processor returns is per-image input to
+# `get_image_features` (pixel_values, image_sizes, ...).
+_TEXT_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"})
+
+
+@dataclass
+class PreparedRequest:
+    request: GenerationRequest
+    input_ids: torch.Tensor  # [prompt_len] long, image placeholders already expanded
+    # One dict per image, each tensor with a leading dim of 1, ready to be concatenated across requests.
+    image_inputs: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    # max_tokens, clamped so the prompt plus the completion fit the model's positions.
+    max_new_tokens: int = 0
+
+    @property
+    def prompt_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return self.request.sampling
+
+
+class _PerRowSampler(LogitsProcessor):
+    """Samples rows with temperature > 0 from their own generator; leaves greedy rows untouched.
+
+    HF's own sampling draws one multinomial over the whole batch from the global RNG, so a seeded request's
+    output would depend on its batch neighbours. Here each sampled row picks its token from its own generator
+    and its scores are replaced by a one-hot, which generate's greedy argmax then selects.
+    """
+
+    def __init__(self, params: list[SamplingParams], device: torch.device) -> None:
+        self.params = params
+        self.generators: list[torch.Generator | None] = []
+        for p in params:
+            if p.greedy:
+                self.generators.append(None)
+                continue
+            gen = torch.Generator(device=device)
+            gen.manual_seed(p.seed if p.seed is not None else secrets.randbits(63))
+            self.generators.append(gen)
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        out = scores
+        for row, (p, gen) in enumerate(zip(self.params, self.generators, strict=True)):
+            if gen is None:
+                continue
+            logits = scores[row].float() / p.temperature
+            if p.top_p < 1.0:
+                logits = _top_p_filter(logits, p.top_p)
+            token = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=gen)
+            if out is scores:
+                out = scores.clone()
+            out[row] = float("-inf")
+            out[row, token] = 0.0
+        return out
+
+
+def _top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    sorted_logits, order = torch.sort(logits, descending=True)
+    cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+    # Drop a token once the mass before it already reaches top_p; the top token always survives.
+    drop_sorted = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= top_p
+    drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+class _PerRowStop(StoppingCriteria):
+    """Ends a row at its own max_new_tokens or once a stop string shows up in its text.
+
+    Without it every row runs to the batch's largest max_tokens; finished rows are padded by generate, so the
+    batch ends as soon as its last live row does.
+    """
+
+    def __init__(self, prepared: list[PreparedRequest], tokenizer: Any, start: int) -> None:
+        self.limits = [p.max_new_tokens for p in prepared]
+        self.stops = [p.sampling.stop for p in prepared]
+        self.tokenizer = tokenizer
+        self.start = start  # generate's input_ids hold only generated tokens when it is fed inputs_embeds
+
+    def __call__(self, input_ids: torch.LongTensor, scores: Any, **kwargs: Any) -> torch.BoolTensor:
+        n_new = input_ids.shape[1] - self.start
+        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        for row, (limit, stops) in enumerate(zip(self.limits, self.stops, strict=True)):
+            if n_new >= limit:
+                done[row] = True
+            elif stops and n_new > 0:
+                # Byte-level tokens can carry a single byte, so a stop string spans at most its UTF-8 length.
+                window = max(len(s.encode()) for s in stops) + 4
+                tail = input_ids[row, max(self.start, input_ids.shape[1] - window) :].tolist()
+                text = self.tokenizer.decode(tail, skip_special_tokens=True)
+                done[row] = any(s in text for s in stops)
+        return done
+
+
+class HFBatchRunner:
+    def __init__(self, loaded: LoadedModel) -> None:
+        self.loaded = loaded
+        self.model = loaded.model
+        self.processor = loaded.processor
+        self.tokenizer = loaded.tokenizer
+        # Rust tokenizers raise "Already borrowed" when one thread encodes (prepare, on the caller's threads)
+        # while another mutates or reads the same object; decoding in generate() gets its own copy.
+        self._decoder = copy.deepcopy(loaded.tokenizer)
+        self.image_token_id = loaded.image_token_id
+        self.eos_token_ids = set(loaded.eos_token_ids)
+        self.max_positions = loaded.max_positions
+        pad = self.tokenizer.pad_token_id
+        self.pad_token_id = int(pad if pad is not None else loaded.eos_token_ids[0])
+        self.image_token = getattr(
+            self.processor, "image_token", None
+        ) or self.tokenizer.convert_ids_to_tokens(self.image_token_id)
+        rope = getattr(self.model.config.get_text_config(), "rope_parameters", None) or {}
+        if "mrope_section" in rope:
+            # Multimodal RoPE (Qwen2-VL family) derives positions from the image grids inside the model; a
+            # bare inputs_embeds batch would get plain 1-D positions and silently wrong outputs.
+            raise NotImplementedError("HFBatchRunner does not support M-RoPE models; use the paged engine")
+
+    # ---------------------------------------------------------------- CPU side (caller's thread)
+
+    def prepare(self, req: GenerationRequest) -> PreparedRequest:
+        req.sampling.validate()
+        n_parts = sum(
+            1
+            for message in req.messages
+            if not isinstance(message.get("content"), str)
+            for part in message.get("content") or []
+            if isinstance(part, dict) and part.get("type") == "image"
+        )
+        if n_parts != len(req.images):
+            raise InputError(
+                f"the messages have {n_parts} image part(s) but {len(req.images)} image(s) were given"
+            )
+        try:
+            prompt = self.processor.apply_chat_template(
+                req.messages, add_generation_prompt=True, tokenize=False
+            )
+        except Exception as exc:  # template errors come as jinja/ValueError/TypeError alike
+            raise InputError(f"cannot render the chat template: {exc}") from exc
+        if isinstance(prompt, list):
+            prompt = prompt[0]
+        # Counted on the rendered prompt too: a user who types the placeholder string would otherwise shift
+        # every image into the wrong slot (or crash the processor).
+        n_placeholders = prompt.count(self.image_token)
+        if n_placeholders != len(req.images):
+            raise InputError(
+                f"the prompt has {n_placeholders} image placeholder(s) ({self.image_token!r}) but "
+                f"{len(req.images)} image(s) were given"
+            )
+        images = [im if im.mode == "RGB" else im.convert("RGB") for im in req.images]
+        try:
+            encoded = self.processor(text=[prompt], images=images or None, return_tensors="pt")
+        except ValueError as exc:
+            raise InputError(f"cannot preprocess the request: {exc}") from exc
+
+        input_ids = encoded["input_ids"][0].to(torch.long)
+        prompt_len = int(input_ids.shape[0])
+        if self.max_positions is not None and prompt_len >= self.max_positions:
+            raise InputError(
+                f"the prompt is {prompt_len} tokens (images included); this model takes at most "
+                f"{self.max_positions - 1} prompt tokens"
+            )
+        max_new = req.sampling.max_tokens
+        if self.max_positions is not None:
+            max_new = min(max_new, self.max_positions - prompt_len)
+        return PreparedRequest(
+            request=req,
+            input_ids=input_ids,
+            image_inputs=self._split_per_image(encoded, len(images)),
+            max_new_tokens=max_new,
+        )
+
+    @staticmethod
+    def _split_per_image(encoded: Any, n_images: int) -> list[dict[str, torch.Tensor]]:
+        if n_images == 0:
+            return []
+        per_image: list[dict[str, torch.Tensor]] = [{} for _ in range(n_images)]
+        for key, value in encoded.items():
+            if key in _TEXT_KEYS or not isinstance(value, torch.Tensor):
+                continue
+            if value.shape[0] != n_images:
+                # Packed layouts (Qwen2-VL's flattened patches) have no per-image leading dim to batch on.
+                raise NotImplementedError(f"processor output {key!r} is not laid out one row per image")
+            for i in range(n_images):
+                per_image[i][key] = value[i : i + 1]
+        return per_image
+
+    # ---------------------------------------------------------------- model side
+
+    @torch.inference_mode()
+    def generate(self, batch: list[PreparedRequest]) -> list[GenerationResult]:
+        if not batch:
+            return []
+        device = self.loaded.device
+        features = self._encode_images(batch, device)
+        embeds, attention_mask = self._build_inputs(batch, features, device)
+        params = [p.sampling for p in batch]
+        sampler = _PerRowSampler(params, device)
+        max_new = max(p.max_new_tokens for p in batch)
+        out = self.model.generate(
+            inputs_embeds=embeds,
+            attention_mask=attention_mask,
+            max_new_tokens=max_new,
+            do_sample=False,  # sampled rows are drawn by _PerRowSampler, see there
+            logits_processor=LogitsProcessorList([sampler]) if any(not p.greedy for p in params) else None,
+            stopping_criteria=StoppingCriteriaList([_PerRowStop(batch, self._decoder, start=0)]),
+            eos_token_id=sorted(self.eos_token_ids),
+            pad_token_id=self.pad_token_id,
+        )
+        # Fed only inputs_embeds, decoder-only generate returns just the new tokens.
+        if out.shape[1] > max_new:
+            raise RuntimeError(f"generate returned {out.shape[1]} tokens for max_new_tokens={max_new}")
+        return [self._finish(p, out[i].tolist()) for i, p in enumerate(batch)]
+
+    def _encode_images(self, batch: list[PreparedRequest], device: torch.device) -> list[list[torch.Tensor]]:
+        """Image embeddings per request, per image; one vision forward per distinct input shape."""
+        groups: dict[tuple, list[tuple[int, int]]] = defaultdict(list)
+        for r, prepared in enumerate(batch):
+            for i, inputs in enumerate(prepared.image_inputs):
+                key = tuple(sorted((k, tuple(v.shape[1:])) for k, v in inputs.items()))
+                groups[key].append((r, i))
+        features: list[list[torch.Tensor | None]] = [[None] * len(p.image_inputs) for p in batch]
+        dtype = self.model.dtype
+        for members in groups.values():
+            kwargs = {}
+            for name in batch[members[0][0]].image_inputs[members[0][1]]:
+                stacked = torch.cat([batch[r].image_inputs[i][name] for r, i in members]).to(device)
+                kwargs[name] = stacked.to(dtype) if stacked.is_floating_point() else stacked
+            pooled = self.model.get_image_features(**kwargs, return_dict=True).pooler_output
+            if isinstance(pooled, torch.Tensor):
+                pooled = list(pooled) if pooled.dim() == 3 else [pooled]
+            if len(pooled) != len(members):
+                raise RuntimeError(
+                    f"vision tower returned {len(pooled)} embeddings for {len(members)} images"
+                )
+            for (r, i), emb in zip(members, pooled, strict=True):
+                features[r][i] = emb
+        return features  # type: ignore[return-value]
+
+    def _build_inputs(
+        self, batch: list[PreparedRequest], features: list[list[torch.Tensor]], device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # Left padding keeps every row's last prompt token in the last column, where generate reads the
+        # logits; generate derives position_ids from the mask (cumsum - 1), so each row sees positions
+        # 0..len-1 exactly as when it runs alone.
+        width = max(p.prompt_tokens for p in batch)
+        ids = torch.full((len(batch), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, p in enumerate(batch):
+            ids[row, width - p.prompt_tokens :] = p.input_ids
+            mask[row, width - p.prompt_tokens :] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        embeds = self.model.get_input_embeddings()(ids)
+        image_mask = ids == self.image_token_id
+        flat = [emb for per_request in features for emb in per_request]
+        if flat:
+            merged = torch.cat(flat).to(embeds.device, embeds.dtype)
+            if merged.shape[0] != int(image_mask.sum()):
+                raise RuntimeError(
+                    f"{int(image_mask.sum())} image placeholder tokens but {merged.shape[0]} image embeddings"
+                )
+            # masked_scatter fills in row-major order: request by request, image by image, as listed.
+            embeds = embeds.masked_scatter(image_mask.unsqueeze(-1), merged)
+        elif image_mask.any():
+            raise RuntimeError("image placeholder tokens without images")
+        return embeds, mask
+
+    def _finish(self, prepared: PreparedRequest, generated: list[int]) -> GenerationResult:
+        tokens = generated[: prepared.max_new_tokens]
+        finish_reason = "length"
+        for k, tok in enumerate(tokens):
+            if tok in self.eos_token_ids:
+                # The EOS token was generated and paid for, so it counts; decoding drops it from the text.
+                tokens = tokens[: k + 1]
+                finish_reason = "stop"
+                break
+        text = self._decoder.decode(tokens, skip_special_tokens=True)
+        stops = prepared.sampling.stop
+        if stops and any(s in text for s in stops):
+            # Keep tokens up to the one that completes the first stop string, and the text before that string.
+            for k in range(1, len(tokens) + 1):
+                prefix = self._decoder.decode(tokens[:k], skip_special_tokens=True)
+                hits = [i for i in (prefix.find(s) for s in stops) if i >= 0]
+                if hits:
+                    tokens, text, finish_reason = tokens[:k], prefix[: min(hits)], "stop"
+                    break
+        return GenerationResult(
+            request_id=prepared.request.request_id,
+            text=text,
+            token_ids=tokens,
+            finish_reason=finish_reason,
+            prompt_tokens=prepared.prompt_tokens,
+            completion_tokens=len(tokens),
+        )

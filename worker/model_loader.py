@@ -1,0 +1,117 @@
+"""Load any HF vision-language checkpoint (local dir or hub id) into the pieces the backends need."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedModel:
+    model: Any  # a transformers PreTrainedModel with get_image_features / get_input_embeddings
+    processor: Any  # a transformers ProcessorMixin (chat template, image processor, tokenizer)
+    tokenizer: Any
+    image_token_id: int
+    eos_token_ids: list[int] = field(default_factory=list)
+    name: str = ""
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def max_positions(self) -> int | None:
+        text_config = self.model.config.get_text_config()
+        return getattr(text_config, "max_position_embeddings", None)
+
+
+def _image_only_processor_class(base: type) -> type:
+    """Subclass of a processor class with its video slot removed.
+
+    Processors of video-capable families (Qwen2-VL, InternVL, ...) take a `video_processor`, and every video
+    processor needs torchvision, which this project does not install. ProcessorMixin infers its sub-processors
+    from the `__init__` signature, so a signature without `video_processor` makes it load and save image +
+    tokenizer only; the base `__init__` still sets the video token ids, harmless when no video is passed.
+    """
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        kwargs.pop("video_processor", None)
+        base.__init__(
+            self, image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template, **kwargs
+        )
+
+    return type(f"{base.__name__}ImageOnly", (base,), {"__init__": __init__, "__module__": __name__})
+
+
+def load_processor(path_or_id: str, **kwargs: Any) -> Any:
+    from transformers import AutoConfig, AutoProcessor
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING
+    from transformers.utils import is_torchvision_available
+
+    try:
+        return AutoProcessor.from_pretrained(path_or_id, **kwargs)
+    except Exception as exc:
+        if is_torchvision_available():
+            raise
+        config = AutoConfig.from_pretrained(path_or_id, **kwargs)
+        base = PROCESSOR_MAPPING.get(type(config), None)
+        if base is None or "video_processor" not in base.get_attributes():
+            raise
+        log.info(
+            "processor %s needs torchvision for its video slot (%s); loading it image-only",
+            base.__name__,
+            exc,
+        )
+        return _image_only_processor_class(base).from_pretrained(path_or_id, **kwargs)
+
+
+def _image_token_id(model: Any, processor: Any, tokenizer: Any) -> int:
+    for candidate in (
+        getattr(model.config, "image_token_id", None),
+        getattr(model.config, "image_token_index", None),
+        getattr(processor, "image_token_id", None),
+    ):
+        if isinstance(candidate, int):
+            return candidate
+    token = getattr(processor, "image_token", None) or getattr(tokenizer, "image_token", None)
+    if token is None:
+        raise ValueError("cannot find the image placeholder token of this model")
+    return int(tokenizer.convert_tokens_to_ids(token))
+
+
+def _eos_token_ids(model: Any, tokenizer: Any) -> list[int]:
+    # Chat models often end turns with a token other than the tokenizer's eos (e.g. <|im_end|>); the
+    # generation config lists all of them, so take the union.
+    ids: list[int] = []
+    for source in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if source is None:
+            continue
+        for tid in source if isinstance(source, (list, tuple)) else [source]:
+            if int(tid) not in ids:
+                ids.append(int(tid))
+    return ids
+
+
+def load_model(path_or_id: str, device: str = "cpu", dtype: torch.dtype = torch.float32) -> LoadedModel:
+    from transformers import AutoModelForImageTextToText
+
+    processor = load_processor(path_or_id)
+    tokenizer = processor.tokenizer
+    model = AutoModelForImageTextToText.from_pretrained(path_or_id, dtype=dtype)
+    model.to(device)
+    model.eval()
+    return LoadedModel(
+        model=model,
+        processor=processor,
+        tokenizer=tokenizer,
+        image_token_id=_image_token_id(model, processor, tokenizer),
+        eos_token_ids=_eos_token_ids(model, tokenizer),
+        # A local dir is named by its folder; a hub id ("org/model") is already a name.
+        name=Path(path_or_id).name if Path(path_or_id).is_dir() else str(path_or_id),
+    )

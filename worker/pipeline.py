@@ -1,0 +1,153 @@
+"""One job's path through a worker: claim -> images -> model -> result object -> finish. No Celery here.
+
+The order is what makes crashes harmless: the result object is written under a deterministic key before the
+row is finished, and the row is finished before the message is acked, so a crash anywhere leaves either a
+redelivery (the job runs again and overwrites the same key) or a finished job (the duplicate claim fails).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from tenacity import retry, retry_if_not_exception_type, stop_after_attempt, wait_exponential
+
+from common import jobs
+from common.db import Database
+from common.images import ImageError, decode_image
+from common.models import Job, JobStatus
+from common.settings import Settings
+from common.storage import ObjectNotFound, ObjectStore, image_key, result_key
+from common.views import chat_completion
+from worker.batcher import BatchingGenerator
+from worker.generation import GenerationRequest, InputError, SamplingParams
+from worker.leases import LeaseKeeper
+
+log = logging.getLogger(__name__)
+
+# Transient infrastructure errors (S3 or SQL blips) are retried in place a few times before the job is
+# handed back to the queue.
+_infra_retry = retry(
+    retry=retry_if_not_exception_type(ObjectNotFound),
+    stop=stop_after_attempt(4),
+    wait=wait_exponential(multiplier=0.2, max=3),
+    reraise=True,
+)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    status: str  # the job's status after this attempt, or "skipped" for a duplicate delivery
+    retry: bool = False
+
+
+class JobPipeline:
+    def __init__(
+        self,
+        settings: Settings,
+        db: Database,
+        store: ObjectStore,
+        generator: BatchingGenerator,
+        leases: LeaseKeeper,
+        worker_id: str,
+    ) -> None:
+        self.settings = settings
+        self.db = db
+        self.store = store
+        self.generator = generator
+        self.leases = leases
+        self.worker_id = worker_id
+
+    def run(self, job_id: str) -> Outcome:
+        job = self._claim(job_id)
+        if job is None:
+            return Outcome("skipped")
+        self.leases.add(job_id)
+        try:
+            return self._run_claimed(job)
+        finally:
+            self.leases.discard(job_id)
+
+    @_infra_retry
+    def _claim(self, job_id: str) -> Job | None:
+        with self.db.session() as session:
+            return jobs.claim(session, job_id, self.worker_id, self.settings.lease_seconds)
+
+    def _run_claimed(self, job: Job) -> Outcome:
+        try:
+            request = self._build_request(job)
+            prepared = self.generator.prepare(request)
+            result = self.generator.submit(prepared).result()
+        except (InputError, ImageError) as exc:
+            return self._fail(job, "invalid_input", str(exc))
+        except ObjectNotFound as exc:
+            return self._fail(job, "image_missing", f"image object {exc.args[0]} is missing from storage")
+        except Exception as exc:
+            log.exception("job %s failed on attempt %d", job.id, job.attempts)
+            return self._release(job, "worker_error", f"{type(exc).__name__}: {exc}")
+
+        body = chat_completion(
+            job.id, job.model, int(job.created_at.timestamp()), result.text, result.finish_reason,
+            result.prompt_tokens, result.completion_tokens,
+        )
+        key = result_key(job.id)
+        try:
+            self._persist(key, body)
+            finished = self._finish(job.id, jobs.JobResult(key, result.text, result.finish_reason,
+                                                           result.prompt_tokens, result.completion_tokens))
+        except Exception as exc:
+            log.exception("job %s could not be persisted", job.id)
+            return self._release(job, "persist_error", f"{type(exc).__name__}: {exc}")
+        if not finished:
+            log.info("job %s: lease lost or cancelled; result discarded", job.id)
+            return Outcome("lost")
+        return Outcome(JobStatus.SUCCEEDED)
+
+    def _build_request(self, job: Job) -> GenerationRequest:
+        images = []
+        messages: list[dict[str, Any]] = []
+        for message in job.request["messages"]:
+            parts = []
+            for part in message["content"]:
+                if part["type"] == "image":
+                    data = self._get(image_key(part["image_id"]))
+                    images.append(decode_image(data, max_pixels=self.settings.max_image_pixels,
+                                               allowed_formats=tuple(self.settings.allowed_image_formats),
+                                               max_frames=self.settings.max_image_frames))
+                    parts.append({"type": "image"})
+                else:
+                    parts.append({"type": "text", "text": part["text"]})
+            messages.append({"role": message["role"], "content": parts})
+        s = job.request["sampling"]
+        sampling = SamplingParams(max_tokens=s["max_tokens"], temperature=s["temperature"], top_p=s["top_p"],
+                                  seed=s["seed"], stop=list(s["stop"]))
+        return GenerationRequest(request_id=job.id, messages=messages, images=images, sampling=sampling)
+
+    @_infra_retry
+    def _get(self, key: str) -> bytes:
+        return self.store.get(key)
+
+    @_infra_retry
+    def _persist(self, key: str, body: dict[str, Any]) -> None:
+        self.store.put(key, json.dumps(body).encode(), content_type="application/json")
+
+    @_infra_retry
+    def _finish(self, job_id: str, result: jobs.JobResult) -> bool:
+        with self.db.session() as session:
+            return jobs.finish(session, job_id, self.worker_id, result)
+
+    @_infra_retry
+    def _fail(self, job: Job, code: str, message: str) -> Outcome:
+        with self.db.session() as session:
+            failed = jobs.fail(session, job.id, self.worker_id, code, message)
+        return Outcome(JobStatus.FAILED if failed else "lost")
+
+    @_infra_retry
+    def _release(self, job: Job, code: str, message: str) -> Outcome:
+        with self.db.session() as session:
+            status = jobs.release(session, job.id, self.worker_id, code, message)
+        if status is None:
+            return Outcome("lost")
+        return Outcome(status, retry=status == JobStatus.QUEUED)
