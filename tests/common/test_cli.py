@@ -1,0 +1,72 @@
+"""The `vlmq` command as a user runs it: migrate, an embedded API with its in-process worker, submit, status."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+from PIL import Image
+from sqlalchemy import create_engine, inspect
+
+from tests.conftest import free_port, wait_for_port
+
+
+def _vlmq(*args: str, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "common.cli", *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _clean_env(tmp_path: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLMQ_")}
+    env["VLMQ_DATA_DIR"] = str(tmp_path / "state")
+    return env
+
+
+def test_migrate_creates_the_schema(tmp_path: Path) -> None:
+    env = _clean_env(tmp_path)
+    proc = _vlmq("migrate", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "latest revision" in proc.stdout
+    engine = create_engine(f"sqlite:///{tmp_path / 'state' / 'vlmq.db'}")
+    assert {"jobs", "images", "alembic_version"} <= set(inspect(engine).get_table_names())
+    engine.dispose()
+
+
+def test_embedded_api_submit_wait_and_status(tmp_path: Path, tiny_llava_path: Path) -> None:
+    env = _clean_env(tmp_path)
+    port = free_port()
+    api_url = f"http://127.0.0.1:{port}"
+    image_path = tmp_path / "red.png"
+    Image.new("RGB", (40, 30), (250, 10, 10)).save(image_path)
+    log = (tmp_path / "api.log").open("wb")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "common.cli", "api", "--port", str(port), "--model", str(tiny_llava_path)],
+        env=env, stdout=log, stderr=subprocess.STDOUT,
+    )
+    try:
+        wait_for_port(port, timeout=120, proc=server)
+        proc = _vlmq("submit", "-i", str(image_path), "What colour is this?", "--wait", "--max-tokens", "6",
+                     "--api-url", api_url, env=env)
+        assert proc.returncode == 0, proc.stderr
+        answer = proc.stdout.strip("\n")
+        jobs = httpx.get(f"{api_url}/v1/jobs").json()["data"]
+        assert len(jobs) == 1 and jobs[0]["status"] == "succeeded"
+        assert jobs[0]["result"]["text"] == answer and jobs[0]["result"]["usage"]["completion_tokens"] == 6
+        status = _vlmq("status", jobs[0]["id"], "--api-url", api_url, env=env)
+        assert status.returncode == 0 and json.loads(status.stdout)["status"] == "succeeded"
+        missing = _vlmq("status", "job_missing", "--api-url", api_url, env=env)
+        assert missing.returncode == 1 and "not found" in missing.stdout
+        bad = tmp_path / "bad.png"
+        bad.write_bytes(b"not an image at all")
+        refused = _vlmq("submit", "-i", str(bad), "hi", "--api-url", api_url, env=env)
+        assert refused.returncode == 1 and "error 400" in refused.stderr
+    finally:
+        server.terminate()
+        server.wait(30)
+        log.close()
+
+
