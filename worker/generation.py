@@ -19,6 +19,7 @@ class SamplingParams:
     # 0 means greedy: the same request always gives the same tokens, whatever batch it lands in.
     temperature: float = 0.0
     top_p: float = 1.0
+    top_k: int = 0  # 0 disables top-k filtering
     # With a seed, a sampled request is reproducible on its own, independent of the other jobs in its batch.
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
@@ -35,6 +36,8 @@ class SamplingParams:
             raise InputError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise InputError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise InputError(f"top_k must be >= 0, got {self.top_k}")
         if any(not s for s in self.stop):
             raise InputError("stop strings must be non-empty")
 
@@ -48,6 +51,7 @@ class GenerationRequest:
     # RGB, in the order of the {"type": "image"} parts across all messages.
     images: list[Image.Image]
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    priority: int = 0  # higher runs first
 
 
 @dataclass

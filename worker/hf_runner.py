@@ -20,8 +20,9 @@ from typing import Any
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
-from worker.generation import GenerationRequest, GenerationResult, InputError, SamplingParams
+from worker.generation import GenerationRequest, GenerationResult, SamplingParams
 from worker.model_loader import LoadedModel
+from worker.preprocess import encode_prompt
 
 # Processor outputs that describe the text side; everything else the processor returns is per-image input to
 # `get_image_features` (pixel_values, image_sizes, ...).
@@ -132,9 +133,6 @@ class HFBatchRunner:
         self.max_positions = loaded.max_positions
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = int(pad if pad is not None else loaded.eos_token_ids[0])
-        self.image_token = getattr(
-            self.processor, "image_token", None
-        ) or self.tokenizer.convert_ids_to_tokens(self.image_token_id)
         rope = getattr(self.model.config.get_text_config(), "rope_parameters", None) or {}
         if "mrope_section" in rope:
             # Multimodal RoPE (Qwen2-VL family) derives positions from the image grids inside the model; a
@@ -144,54 +142,14 @@ class HFBatchRunner:
     # ---------------------------------------------------------------- CPU side (caller's thread)
 
     def prepare(self, req: GenerationRequest) -> PreparedRequest:
-        req.sampling.validate()
-        n_parts = sum(
-            1
-            for message in req.messages
-            if not isinstance(message.get("content"), str)
-            for part in message.get("content") or []
-            if isinstance(part, dict) and part.get("type") == "image"
-        )
-        if n_parts != len(req.images):
-            raise InputError(
-                f"the messages have {n_parts} image part(s) but {len(req.images)} image(s) were given"
-            )
-        try:
-            prompt = self.processor.apply_chat_template(
-                req.messages, add_generation_prompt=True, tokenize=False
-            )
-        except Exception as exc:  # template errors come as jinja/ValueError/TypeError alike
-            raise InputError(f"cannot render the chat template: {exc}") from exc
-        if isinstance(prompt, list):
-            prompt = prompt[0]
-        # Counted on the rendered prompt too: a user who types the placeholder string would otherwise shift
-        # every image into the wrong slot (or crash the processor).
-        n_placeholders = prompt.count(self.image_token)
-        if n_placeholders != len(req.images):
-            raise InputError(
-                f"the prompt has {n_placeholders} image placeholder(s) ({self.image_token!r}) but "
-                f"{len(req.images)} image(s) were given"
-            )
-        images = [im if im.mode == "RGB" else im.convert("RGB") for im in req.images]
-        try:
-            encoded = self.processor(text=[prompt], images=images or None, return_tensors="pt")
-        except ValueError as exc:
-            raise InputError(f"cannot preprocess the request: {exc}") from exc
-
-        input_ids = encoded["input_ids"][0].to(torch.long)
-        prompt_len = int(input_ids.shape[0])
-        if self.max_positions is not None and prompt_len >= self.max_positions:
-            raise InputError(
-                f"the prompt is {prompt_len} tokens (images included); this model takes at most "
-                f"{self.max_positions - 1} prompt tokens"
-            )
+        prompt = encode_prompt(self.loaded, req)
         max_new = req.sampling.max_tokens
         if self.max_positions is not None:
-            max_new = min(max_new, self.max_positions - prompt_len)
+            max_new = min(max_new, self.max_positions - prompt.prompt_tokens)
         return PreparedRequest(
             request=req,
-            input_ids=input_ids,
-            image_inputs=self._split_per_image(encoded, len(images)),
+            input_ids=prompt.input_ids,
+            image_inputs=self._split_per_image(prompt.encoded, prompt.num_images),
             max_new_tokens=max_new,
         )
 

@@ -1,0 +1,70 @@
+"""Chat template + processor for one request, with the checks every backend needs. CPU only; runs in the
+caller's thread, off the model thread."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from worker.generation import GenerationRequest, InputError
+from worker.model_loader import LoadedModel
+
+
+@dataclass
+class EncodedPrompt:
+    input_ids: torch.Tensor  # [prompt_len] long, image placeholders already expanded
+    encoded: Any             # the processor's full output (pixel values and any per-image extras)
+    num_images: int
+
+    @property
+    def prompt_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+def image_token(loaded: LoadedModel) -> str:
+    return getattr(loaded.processor, "image_token", None) or loaded.tokenizer.convert_ids_to_tokens(
+        loaded.image_token_id
+    )
+
+
+def encode_prompt(loaded: LoadedModel, req: GenerationRequest) -> EncodedPrompt:
+    req.sampling.validate()
+    n_parts = sum(
+        1
+        for message in req.messages
+        if not isinstance(message.get("content"), str)
+        for part in message.get("content") or []
+        if isinstance(part, dict) and part.get("type") == "image"
+    )
+    if n_parts != len(req.images):
+        raise InputError(f"the messages have {n_parts} image part(s) but {len(req.images)} image(s) were given")
+    try:
+        prompt = loaded.processor.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False)
+    except Exception as exc:  # template errors come as jinja/ValueError/TypeError alike
+        raise InputError(f"cannot render the chat template: {exc}") from exc
+    if isinstance(prompt, list):
+        prompt = prompt[0]
+    # Counted on the rendered prompt too: a user who types the placeholder string would otherwise shift every
+    # image into the wrong slot (or crash the processor).
+    placeholder = image_token(loaded)
+    n_placeholders = prompt.count(placeholder)
+    if n_placeholders != len(req.images):
+        raise InputError(
+            f"the prompt has {n_placeholders} image placeholder(s) ({placeholder!r}) but "
+            f"{len(req.images)} image(s) were given"
+        )
+    images = [im if im.mode == "RGB" else im.convert("RGB") for im in req.images]
+    try:
+        encoded = loaded.processor(text=[prompt], images=images or None, return_tensors="pt")
+    except ValueError as exc:
+        raise InputError(f"cannot preprocess the request: {exc}") from exc
+    input_ids = encoded["input_ids"][0].to(torch.long)
+    max_positions = loaded.max_positions
+    if max_positions is not None and input_ids.shape[0] >= max_positions:
+        raise InputError(
+            f"the prompt is {input_ids.shape[0]} tokens (images included); this model takes at most "
+            f"{max_positions - 1} prompt tokens"
+        )
+    return EncodedPrompt(input_ids=input_ids, encoded=encoded, num_images=len(images))
