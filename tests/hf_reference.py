@@ -44,3 +44,48 @@ def hf_messages(openai_messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
                      for p in content]
         out.append({"role": m["role"], "content": parts})
     return out
+
+
+# Two logits closer than this are a tie that float rounding (a different kernel, batch shape or summation order)
+# may break either way; random tiny checkpoints hit a few such steps per thousand tokens.
+NEAR_TIE = 1e-4
+
+
+def hf_greedy_with_margins(
+    loaded: LoadedModel, messages: list[dict[str, Any]], images: list[Image.Image], max_tokens: int
+) -> tuple[list[int], list[tuple[int, float]]]:
+    """Greedy tokens (cut after EOS) and, per step, (runner-up token, top-1 minus top-2 logit)."""
+    processor = loaded.processor
+    prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=prompt, images=images or None, return_tensors="pt")
+    with torch.inference_mode():
+        out = loaded.model.generate(
+            **inputs, max_new_tokens=max_tokens, do_sample=False, eos_token_id=loaded.eos_token_ids,
+            pad_token_id=loaded.tokenizer.pad_token_id, output_scores=True, return_dict_in_generate=True,
+        )
+    new = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+    margins = []
+    for scores in out.scores:
+        top = torch.topk(scores[0].float(), 2)
+        margins.append((int(top.indices[1]), float(top.values[0] - top.values[1])))
+    for k, tok in enumerate(new):
+        if tok in loaded.eos_token_ids:
+            new = new[: k + 1]
+            break
+    return new, margins[: len(new)]
+
+
+def assert_greedy_matches(got: list[int], expected: list[int], margins: list[tuple[int, float]], what: str) -> bool:
+    """Token-identical, except that at a near-tie step the runner-up may win (and the sequences part there).
+
+    Returns True when the sequences were identical, False when they parted at a near-tie."""
+    for step, (g, e) in enumerate(zip(got, expected, strict=False)):
+        if g == e:
+            continue
+        runner_up, margin = margins[step]
+        assert g == runner_up and margin < NEAR_TIE, (
+            f"{what}: step {step} gave {g}, HF gave {e} (runner-up {runner_up}, margin {margin:.2e})"
+        )
+        return False
+    assert got == expected, f"{what}: {got} != {expected}"
+    return True

@@ -35,18 +35,17 @@ def _image_only_processor_class(base: type) -> type:
     """Subclass of a processor class with its video slot removed.
 
     Processors of video-capable families (Qwen2-VL, InternVL, ...) take a `video_processor`, and every video
-    processor needs torchvision, which this project does not install. ProcessorMixin infers its sub-processors
-    from the `__init__` signature, so a signature without `video_processor` makes it load and save image +
-    tokenizer only; the base `__init__` still sets the video token ids, harmless when no video is passed.
+    processor needs torchvision, which this project does not install. ProcessorMixin loads and saves the
+    sub-processors `get_attributes` names, so dropping the video one there makes it image + tokenizer only. The
+    base `__init__` stays: overriding it would lose the processor's own saved kwargs (InternVL's
+    image_seq_length) on reload.
     """
 
-    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-        kwargs.pop("video_processor", None)
-        base.__init__(
-            self, image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template, **kwargs
-        )
+    def get_attributes(cls: type) -> list[str]:
+        return [name for name in base.get_attributes() if name != "video_processor"]
 
-    return type(f"{base.__name__}ImageOnly", (base,), {"__init__": __init__, "__module__": __name__})
+    return type(f"{base.__name__}ImageOnly", (base,),
+                {"get_attributes": classmethod(get_attributes), "__module__": __name__})
 
 
 def load_processor(path_or_id: str, **kwargs: Any) -> Any:

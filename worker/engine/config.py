@@ -1,0 +1,27 @@
+"""Engine configuration: memory and batching limits. No torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    block_size: int = 16                 # tokens per KV block
+    num_kv_blocks: int | None = None     # KV pool size in blocks; None: derive from kv_cache_fraction
+    kv_cache_fraction: float = 0.3       # of free device memory (or of RAM on CPU) when num_kv_blocks is None
+    max_num_seqs: int = 64               # requests running at once
+    max_num_batched_tokens: int = 2048   # tokens (prefill chunks + decodes) per step
+    max_encoder_items_per_step: int = 64  # images through the vision tower per step
+    encoder_cache_tokens: int = 32768    # image embeddings kept, counted in LM positions
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError("num_kv_blocks must be >= 1")
+        if not 0 < self.kv_cache_fraction <= 0.95:
+            raise ValueError("kv_cache_fraction must be in (0, 0.95]")
+        if self.max_encoder_items_per_step < 1 or self.encoder_cache_tokens < 1:
+            raise ValueError("encoder budgets must be >= 1")

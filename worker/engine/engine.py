@@ -1,0 +1,134 @@
+"""The engine: schedule -> run -> postprocess, one step at a time. Glue only; no Celery, HTTP or SQL."""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+
+from worker.engine.block_manager import BlockManager
+from worker.engine.config import EngineConfig
+from worker.engine.encoder_cache import EncoderCache
+from worker.engine.model_runner import ModelRunner, PreparedInput, num_kv_blocks_for
+from worker.engine.request import Request, RequestStatus
+from worker.engine.scheduler import Scheduler
+from worker.generation import GenerationRequest, GenerationResult
+from worker.model_loader import LoadedModel
+
+
+@dataclass
+class EngineStats:
+    num_steps: int = 0
+    num_generated_tokens: int = 0
+    num_prompt_tokens_computed: int = 0
+    num_finished: int = 0
+    started_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def generated_tokens_per_s(self) -> float:
+        elapsed = time.monotonic() - self.started_at
+        return self.num_generated_tokens / elapsed if elapsed > 0 else 0.0
+
+
+class Engine:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
+        self.config = config or EngineConfig()
+        self.loaded = loaded
+        num_blocks = num_kv_blocks_for(loaded.model, self.config, loaded.device)
+        self.block_manager = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        self.encoder_cache = EncoderCache(self.config.encoder_cache_tokens)
+        self.scheduler = Scheduler(self.config, self.block_manager, self.encoder_cache)
+        self.runner = ModelRunner(loaded, self.config, num_blocks, self.encoder_cache)
+        # Its own tokenizer copy: the caller's threads use the processor's one in prepare().
+        self._decoder = copy.deepcopy(loaded.tokenizer)
+        self._eos = frozenset(loaded.eos_token_ids)
+        self.stats = EngineStats()
+
+    def prepare(self, req: GenerationRequest) -> PreparedInput:
+        """Template, tokenise and preprocess images (CPU); safe to call from any thread."""
+        return self.runner.prepare(req)
+
+    def add_request(self, prepared: PreparedInput) -> None:
+        """Queue a prepared request; raises InputError for one that could never run on this engine."""
+        req = prepared.request
+        self.scheduler.add_request(Request(
+            request_id=req.request_id,
+            prompt_token_ids=prepared.prompt_token_ids,
+            sampling=req.sampling,
+            images=prepared.images,
+            priority=req.priority,
+            eos_token_ids=self._eos,
+            max_model_len=self.loaded.max_positions,
+        ))
+        self.runner.add(prepared)
+
+    def abort(self, request_id: str) -> bool:
+        aborted = self.scheduler.abort(request_id)
+        self.runner.remove(request_id)
+        return aborted
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[GenerationResult]:
+        """One scheduling step; returns the requests that finished in it."""
+        out = self.scheduler.schedule()
+        sampled = self.runner.execute(out)
+        self.stats.num_steps += 1
+        self.stats.num_generated_tokens += len(sampled)
+        self.stats.num_prompt_tokens_computed += sum(s.num_tokens for s in out.scheduled if not s.samples)
+        for s in out.scheduled:
+            req = s.request
+            token = sampled.get(req.request_id)
+            if token is not None and req.sampling.stop and token not in self._eos:
+                hit = self._stop_string_hit(req, token)
+                if hit is not None:
+                    req.stop_reason = hit
+        finished = self.scheduler.update(out, sampled)
+        for s in out.scheduled:
+            req = s.request
+            if req.stop_reason is not None and not req.status.finished:
+                self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED, req.stop_reason)
+                finished.append(req)
+        results = []
+        for req in finished:
+            self.runner.remove(req.request_id)
+            if req.status != RequestStatus.FINISHED_ABORTED:
+                results.append(self._result(req))
+        self.stats.num_finished += len(results)
+        return results
+
+    def _stop_string_hit(self, req: Request, token: int) -> str | None:
+        # Byte-level tokens can carry a single byte, so a stop string spans at most its UTF-8 length in tokens.
+        window = max(len(s.encode()) for s in req.sampling.stop) + 4
+        tail = [*req.output_token_ids[-window:], token]
+        text = self._decoder.decode(tail, skip_special_tokens=True)
+        return next((s for s in req.sampling.stop if s in text), None)
+
+    def _result(self, req: Request) -> GenerationResult:
+        tokens = list(req.output_token_ids)
+        text = self._decoder.decode(tokens, skip_special_tokens=True)
+        finish_reason = "length" if req.status == RequestStatus.FINISHED_LENGTH else "stop"
+        stops = req.sampling.stop
+        if stops and any(s in text for s in stops):
+            # Keep the tokens up to the one that completes the first stop string, and the text before it.
+            for k in range(1, len(tokens) + 1):
+                prefix = self._decoder.decode(tokens[:k], skip_special_tokens=True)
+                hits = [i for i in (prefix.find(s) for s in stops) if i >= 0]
+                if hits:
+                    tokens, text, finish_reason = tokens[:k], prefix[: min(hits)], "stop"
+                    break
+        return GenerationResult(
+            request_id=req.request_id, text=text, token_ids=tokens, finish_reason=finish_reason,
+            prompt_tokens=req.num_prompt_tokens, completion_tokens=len(tokens),
+        )
+
+    def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        """Run a list of requests to completion (offline use, tests and benchmarks)."""
+        for req in requests:
+            self.add_request(self.prepare(req))
+        results: dict[str, GenerationResult] = {}
+        while self.has_unfinished():
+            for result in self.step():
+                results[result.request_id] = result
+        return [results[r.request_id] for r in requests]

@@ -1,0 +1,196 @@
+"""All the torch of the engine: KV pool, vision batches, one packed forward per step, sampling.
+
+The runner turns a `SchedulerOutput` into sampled tokens. It holds per-request tensors (image inputs, M-RoPE
+positions) from `prepare` until the request finishes, and the image embeddings the encoder cache keeps.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from worker.engine.attention import ATTN_IMPLEMENTATION, build_metadata
+from worker.engine.config import EngineConfig
+from worker.engine.encoder_cache import EncoderCache
+from worker.engine.families import ModelFamily, get_family
+from worker.engine.request import ImageItem
+from worker.engine.sampler import Sampler
+from worker.engine.scheduler_output import SchedulerOutput
+from worker.generation import GenerationRequest, InputError
+from worker.model_loader import LoadedModel
+from worker.preprocess import encode_prompt
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PreparedInput:
+    """What `prepare` made of a request in the caller's thread: token ids, image items, per-image tensors."""
+
+    request: GenerationRequest
+    prompt_token_ids: list[int]
+    images: list[ImageItem]
+    image_inputs: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    mrope_positions: torch.Tensor | None = None  # [3, prompt_len] for M-RoPE families
+    mrope_delta: int = 0
+
+
+def _kv_geometry(model: torch.nn.Module) -> tuple[int, int, int]:
+    text = model.config.get_text_config()
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return text.num_hidden_layers, kv_heads, head_dim
+
+
+def _available_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 4 << 30
+
+
+def num_kv_blocks_for(model: torch.nn.Module, config: EngineConfig, device: torch.device) -> int:
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    layers, kv_heads, head_dim = _kv_geometry(model)
+    bytes_per_block = 2 * layers * config.block_size * kv_heads * head_dim * model.dtype.itemsize
+    return max(16, int(_available_bytes(device) * config.kv_cache_fraction) // bytes_per_block)
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, num_blocks: int,
+                 encoder_cache: EncoderCache) -> None:
+        self.loaded = loaded
+        self.model = loaded.model
+        self.config = config
+        self.device = loaded.device
+        self.family: ModelFamily = get_family(self.model)
+        self.encoder_cache = encoder_cache
+        self._switch_text_attention()
+        self.language_model = self.family.language_model(self.model)
+        self.lm_head = self.family.lm_head(self.model)
+        self.embed_tokens = self.family.embed_tokens(self.model)
+        layers, kv_heads, head_dim = _kv_geometry(self.model)
+        num_slots = num_blocks * config.block_size
+        self.kv_caches = [
+            (torch.zeros((num_slots, kv_heads, head_dim), dtype=self.model.dtype, device=self.device),
+             torch.zeros((num_slots, kv_heads, head_dim), dtype=self.model.dtype, device=self.device))
+            for _ in range(layers)
+        ]
+        self.sampler = Sampler(self.device)
+        self.inputs: dict[str, PreparedInput] = {}
+        self.num_vision_forwards = 0
+        self.vision_batch_sizes: list[int] = []
+
+    def _switch_text_attention(self) -> None:
+        """Only the language model uses paged attention; the vision tower keeps SDPA."""
+        text_config = self.model.config.get_text_config()
+        if text_config is self.model.config:
+            self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
+            return
+        key = next(k for k in self.model.config.sub_configs if getattr(self.model.config, k) is text_config)
+        self.model.set_attn_implementation({key: ATTN_IMPLEMENTATION})
+
+    # ------------------------------------------------------------------ caller's thread
+
+    def prepare(self, req: GenerationRequest) -> PreparedInput:
+        prompt = encode_prompt(self.loaded, req)
+        ids = prompt.input_ids.tolist()
+        image_inputs = self.family.image_inputs(prompt.encoded, prompt.num_images)
+        try:
+            runs = self.family.image_spans(ids, prompt.num_images)
+        except ValueError as exc:
+            raise InputError(f"image placeholders do not match the images: {exc}") from exc
+        images = [
+            ImageItem(content_hash=_tensor_hash(inputs), offset=start, num_tokens=length)
+            for (start, length), inputs in zip(runs, image_inputs, strict=True)
+        ]
+        positions, delta = self.family.prompt_positions(prompt.input_ids, prompt.encoded)
+        return PreparedInput(req, ids, images, image_inputs, positions, delta)
+
+    # ------------------------------------------------------------------ engine thread
+
+    def add(self, prepared: PreparedInput) -> None:
+        self.inputs[prepared.request.request_id] = prepared
+
+    def remove(self, request_id: str) -> None:
+        self.inputs.pop(request_id, None)
+        self.sampler.forget(request_id)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[str, int]:
+        for request_id in out.finished_ids:
+            self.remove(request_id)
+        if out.encoder_inputs:
+            self._encode(out)
+        if not out.scheduled:
+            return {}
+        token_ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        seqs: list[tuple[list[int], int, int]] = []
+        for s in out.scheduled:
+            req = s.request
+            token_ids.extend(req.all_token_ids[s.start : s.start + s.num_tokens])
+            prepared = self.inputs[req.request_id]
+            positions.append(self.family.sequence_positions(prepared.mrope_positions, prepared.mrope_delta,
+                                                            s.start, s.num_tokens))
+            seqs.append((req.block_ids, s.start, s.num_tokens))
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        embeds = self.embed_tokens(ids)
+        offset = 0
+        for s in out.scheduled:
+            for image in s.request.images_in(s.start, s.start + s.num_tokens):
+                rows = self.encoder_cache.get(image.content_hash)
+                first = offset + image.offset - s.start
+                embeds[first : first + image.num_tokens] = rows.to(embeds.dtype)
+            offset += s.num_tokens
+        meta = build_metadata(self.kv_caches, self.config.block_size, seqs, self.device)
+        position_ids = self.family.packed_position_ids(positions)
+        hidden = self.language_model(
+            inputs_embeds=embeds.unsqueeze(0), position_ids=position_ids.to(self.device), attention_mask=None,
+            use_cache=False, attn_metadata=meta,
+        ).last_hidden_state[0]
+        sampling = [(s, offset_end - 1) for s, offset_end in zip(out.scheduled, _cumsum(seqs), strict=True)
+                    if s.samples]
+        if not sampling:
+            return {}
+        rows = torch.tensor([row for _, row in sampling], device=self.device)
+        logits = self.lm_head(hidden[rows]).float()
+        request_ids = [s.request.request_id for s, _ in sampling]
+        tokens = self.sampler.sample(logits, request_ids, [s.request.sampling for s, _ in sampling])
+        return dict(zip(request_ids, tokens, strict=True))
+
+    def _encode(self, out: SchedulerOutput) -> None:
+        inputs = [self.inputs[e.request.request_id].image_inputs[e.image_index] for e in out.encoder_inputs]
+        embeddings = self.family.encode_images(self.model, inputs)
+        self.num_vision_forwards += 1
+        self.vision_batch_sizes.append(len(inputs))
+        for e, emb in zip(out.encoder_inputs, embeddings, strict=True):
+            self.encoder_cache.put(e.content_hash, emb)
+
+
+def _cumsum(seqs: list[tuple[list[int], int, int]]) -> list[int]:
+    total, out = 0, []
+    for _, _, n in seqs:
+        total += n
+        out.append(total)
+    return out
+
+
+def _tensor_hash(inputs: dict[str, torch.Tensor]) -> str:
+    """Identity of an image as the model sees it: its preprocessed tensors."""
+    digest = hashlib.sha256()
+    for name in sorted(inputs):
+        tensor = inputs[name].detach().contiguous().cpu()
+        digest.update(name.encode())
+        digest.update(str(tuple(tensor.shape)).encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return digest.hexdigest()
