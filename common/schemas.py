@@ -46,6 +46,7 @@ class ChatCompletionRequest(BaseModel):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=0.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0, description="vLLM-style extension; 0 disables it.")
     seed: int | None = None
     stop: str | list[str] | None = None
     n: Literal[1] = 1

@@ -50,10 +50,19 @@ class Settings(BaseSettings):
     max_attempts: int = Field(default=3, ge=1)
     retry_backoff_seconds: float = Field(default=2.0, ge=0)
 
-    # Worker batching.
-    worker_concurrency: int = Field(default=32, ge=1, description="Jobs one worker holds in flight.")
+    # Worker batching. "engine" is the paged continuous-batching engine; "hf" batches HF `generate` calls
+    # (any HF VLM, less efficient); "auto" picks the engine when it supports the model's family.
+    backend: Literal["auto", "engine", "hf"] = "auto"
+    worker_concurrency: int = Field(default=64, ge=1, description="Jobs one worker holds in flight.")
     max_batch_size: int = Field(default=32, ge=1, description="Jobs per generation batch.")
     batch_wait_ms: float = Field(default=20.0, ge=0, description="How long to gather a batch once one arrives.")
+    kv_block_size: int = Field(default=16, ge=1)
+    kv_num_blocks: int | None = Field(default=None, ge=1, description="KV pool in blocks; default: a fraction.")
+    kv_cache_fraction: float = Field(default=0.3, gt=0, le=0.95, description="Of free memory, for the KV pool.")
+    max_num_seqs: int = Field(default=64, ge=1, description="Requests decoding together.")
+    max_num_batched_tokens: int = Field(default=2048, ge=1, description="Tokens per engine step.")
+    max_encoder_items_per_step: int = Field(default=64, ge=1, description="Images per vision forward.")
+    encoder_cache_tokens: int = Field(default=32768, ge=1, description="Image embeddings kept, in positions.")
 
     # Input limits.
     max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)

@@ -124,6 +124,7 @@ def normalize_request(
             "max_tokens": max_tokens,
             "temperature": req.temperature,
             "top_p": req.top_p,
+            "top_k": req.top_k,
             "seed": req.seed,
             "stop": req.stop_list,
         },

@@ -89,3 +89,15 @@ def assert_greedy_matches(got: list[int], expected: list[int], margins: list[tup
         return False
     assert got == expected, f"{what}: {got} != {expected}"
     return True
+
+
+def hf_reference_answer(
+    loaded: LoadedModel, messages: list[dict[str, Any]], images: list[Image.Image], max_tokens: int
+) -> tuple[str, int, int, bool]:
+    """(text, completion_tokens, prompt_tokens, near_tie): near_tie says some greedy step of HF itself was a
+    near-tie, where another numerically correct run may pick the runner-up."""
+    tokens, margins = hf_greedy_with_margins(loaded, messages, images, max_tokens)
+    prompt = loaded.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    n_prompt = loaded.processor(text=prompt, images=images or None, return_tensors="pt")["input_ids"].shape[1]
+    text = loaded.tokenizer.decode(tokens, skip_special_tokens=True)
+    return text, len(tokens), int(n_prompt), any(m < NEAR_TIE for _, m in margins)

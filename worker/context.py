@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from common.db import Database, get_database
 from common.settings import Settings, get_settings
 from common.storage import ObjectStore, make_store
-from worker.batcher import BatchingGenerator
+from worker.batcher import BatchingGenerator, Generator
 from worker.leases import LeaseKeeper
 from worker.pipeline import JobPipeline
 
@@ -24,7 +24,7 @@ class WorkerContext:
     settings: Settings
     db: Database
     store: ObjectStore
-    generator: BatchingGenerator
+    generator: Generator
     leases: LeaseKeeper
     pipeline: JobPipeline
     worker_id: str
@@ -37,7 +37,6 @@ class WorkerContext:
 def build_context(settings: Settings) -> WorkerContext:
     import torch
 
-    from worker.hf_runner import HFBatchRunner
     from worker.model_loader import load_model
 
     if not settings.model:
@@ -48,12 +47,38 @@ def build_context(settings: Settings) -> WorkerContext:
     dtype = getattr(torch, settings.dtype)
     log.info("worker %s loading model %s on %s (%s)", worker_id, settings.model, settings.device, settings.dtype)
     loaded = load_model(settings.model, device=settings.device, dtype=dtype)
-    generator = BatchingGenerator(
-        HFBatchRunner(loaded), max_batch_size=settings.max_batch_size, batch_wait_s=settings.batch_wait_ms / 1000
-    )
+    generator = make_backend(loaded, settings)
     leases = LeaseKeeper(db, worker_id, settings.lease_seconds, settings.heartbeat_seconds)
     pipeline = JobPipeline(settings, db, store, generator, leases, worker_id)
     return WorkerContext(settings, db, store, generator, leases, pipeline, worker_id)
+
+
+def make_backend(loaded: object, settings: Settings) -> Generator:
+    """The paged engine where it supports the model's family, else batched HF generate."""
+    from worker.engine.config import EngineConfig
+    from worker.engine.engine import Engine
+    from worker.engine.families import get_family
+    from worker.engine.service import EngineService
+    from worker.hf_runner import HFBatchRunner
+
+    use_engine = settings.backend == "engine"
+    if settings.backend == "auto":
+        try:
+            get_family(loaded.model)  # type: ignore[attr-defined]
+            use_engine = True
+        except ValueError as exc:
+            log.warning("falling back to batched HF generate: %s", exc)
+    if not use_engine:
+        return BatchingGenerator(HFBatchRunner(loaded), max_batch_size=settings.max_batch_size,  # type: ignore[arg-type]
+                                 batch_wait_s=settings.batch_wait_ms / 1000)
+    config = EngineConfig(
+        block_size=settings.kv_block_size, num_kv_blocks=settings.kv_num_blocks,
+        kv_cache_fraction=settings.kv_cache_fraction, max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        max_encoder_items_per_step=settings.max_encoder_items_per_step,
+        encoder_cache_tokens=settings.encoder_cache_tokens,
+    )
+    return EngineService(Engine(loaded, config))  # type: ignore[arg-type]
 
 
 _context: WorkerContext | None = None

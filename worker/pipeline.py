@@ -21,7 +21,7 @@ from common.models import Job, JobStatus
 from common.settings import Settings
 from common.storage import ObjectNotFound, ObjectStore, image_key, result_key
 from common.views import chat_completion
-from worker.batcher import BatchingGenerator
+from worker.batcher import Generator
 from worker.generation import GenerationRequest, InputError, SamplingParams
 from worker.leases import LeaseKeeper
 
@@ -49,7 +49,7 @@ class JobPipeline:
         settings: Settings,
         db: Database,
         store: ObjectStore,
-        generator: BatchingGenerator,
+        generator: Generator,
         leases: LeaseKeeper,
         worker_id: str,
     ) -> None:
@@ -122,8 +122,9 @@ class JobPipeline:
             messages.append({"role": message["role"], "content": parts})
         s = job.request["sampling"]
         sampling = SamplingParams(max_tokens=s["max_tokens"], temperature=s["temperature"], top_p=s["top_p"],
-                                  seed=s["seed"], stop=list(s["stop"]))
-        return GenerationRequest(request_id=job.id, messages=messages, images=images, sampling=sampling)
+                                  top_k=s.get("top_k", 0), seed=s["seed"], stop=list(s["stop"]))
+        return GenerationRequest(request_id=job.id, messages=messages, images=images, sampling=sampling,
+                                 priority=job.priority)
 
     @_infra_retry
     def _get(self, key: str) -> bytes:

@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 
 from tests.api.test_jobs_api import data_url
-from tests.hf_reference import hf_generate_alone, hf_messages
+from tests.hf_reference import hf_messages, hf_reference_answer
 from tests.test_end_to_end import make_jobs
 from worker.model_loader import load_model
 
@@ -62,6 +62,7 @@ def test_vlmq_run_embedded_matches_hf(tiny_llava_path: Path, tmp_path: Path) -> 
     by_id = {line["custom_id"]: line for line in lines if line["custom_id"] and line["response"]}
     loaded = load_model(str(tiny_llava_path))
     torch.manual_seed(0)
+    ties = 0
     for i, body in enumerate(bodies):
         custom_id = "text-only" if i == len(bodies) - 1 else f"req-{i}"
         line = by_id[custom_id]
@@ -72,12 +73,17 @@ def test_vlmq_run_embedded_matches_hf(tiny_llava_path: Path, tmp_path: Path) -> 
         images = [Image.open(io.BytesIO(_raw(p["image_url"]["url"]))).convert("RGB")
                   for m in body["messages"] if isinstance(m["content"], list)
                   for p in m["content"] if p["type"] == "image_url"]
-        text, n_completion, n_prompt = hf_generate_alone(loaded, hf_messages(body["messages"]), images,
-                                                         body["max_tokens"])
+        text, n_completion, n_prompt, near_tie = hf_reference_answer(
+            loaded, hf_messages(body["messages"]), images, body["max_tokens"])
+        assert completion["usage"]["prompt_tokens"] == n_prompt
+        if near_tie and completion["choices"][0]["message"]["content"] != text:
+            ties += 1  # HF itself was at a float-noise tie on some step; see tests/hf_reference.py
+            continue
         assert completion["choices"][0]["message"]["content"] == text, custom_id
         assert completion["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": n_completion,
                                        "total_tokens": n_prompt + n_completion}
 
+    assert ties <= 1
     errors = [line for line in lines if line["error"] is not None]
     codes = sorted(e["error"]["code"] for e in errors)
     assert codes == ["duplicate_custom_id", "invalid_image", "invalid_json", "invalid_request"]
