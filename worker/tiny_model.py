@@ -181,7 +181,7 @@ def _image_only_processor(base: type, **kwargs):
     return cls(**kwargs)
 
 
-def build_tiny_llava(out_dir: Path, *, seed: int = 0, vision: str = "clip") -> Path:
+def build_tiny_llava(out_dir: Path, *, seed: int = 0, vision: str = "clip", spec: TinySpec | None = None) -> Path:
     """Write a tiny random LLaVA (model, tokenizer, image processor, processor) to `out_dir`; return it.
 
     Deterministic given `seed`: the same seed gives byte-identical weights and the same tokenizer.
@@ -201,7 +201,7 @@ def build_tiny_llava(out_dir: Path, *, seed: int = 0, vision: str = "clip") -> P
 
     if vision not in ("clip", "siglip"):
         raise ValueError(f"unsupported vision tower {vision!r}; choose 'clip' or 'siglip'")
-    spec = TinySpec()
+    spec = spec or TinySpec()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 

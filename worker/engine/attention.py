@@ -23,23 +23,24 @@ ATTN_IMPLEMENTATION = "vlmq_paged"
 
 @dataclass
 class PrefillSeq:
-    query_start: int          # offset of its first new token in the packed batch
+    query_start: int           # offset of its first new token in the packed batch
     query_len: int
-    slots: torch.Tensor       # [context_len + query_len] cache slots of its whole sequence so far
-    mask: torch.Tensor | None  # [query_len, context_len + query_len] bool; None means plain causal (no context)
+    total_len: int             # context + new tokens
+    blocks: torch.Tensor       # [ceil(total_len / block_size)] its block ids
+    mask: torch.Tensor | None  # [query_len, total_len] bool; None means plain causal (no context)
 
 
 @dataclass
 class DecodeBatch:
     query_index: torch.Tensor  # [B] positions in the packed batch of the decode tokens
-    slots: torch.Tensor        # [B, max_len] cache slots, padded with slot 0
-    mask: torch.Tensor         # [B, 1, 1, max_len] bool, True where a key is real
+    blocks: torch.Tensor       # [B, max_blocks] block tables, padded with block 0
+    mask: torch.Tensor         # [B, 1, 1, max_blocks * block_size] bool, True where a key is real
 
 
 @dataclass
 class AttentionMetadata:
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: key, value pools [num_slots, kv_heads, dim]
-    slot_mapping: torch.Tensor                          # [T] where each new token's key/value is written
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: key, value pools [blocks, block_size, kv, dim]
+    slot_mapping: torch.Tensor                          # [T] flat slot each new token's key/value goes to
     prefills: list[PrefillSeq]
     decodes: DecodeBatch | None
     num_tokens: int
@@ -51,39 +52,42 @@ def build_metadata(
     seqs: list[tuple[list[int], int, int]],
     device: torch.device,
 ) -> AttentionMetadata:
-    """seqs: per request in packed order (block_ids, context_len, query_len)."""
-    slot_mapping: list[int] = []
-    prefills: list[PrefillSeq] = []
-    decode_index: list[int] = []
-    decode_slots: list[list[int]] = []
-    offset = 0
-    for block_ids, context_len, query_len in seqs:
-        total = context_len + query_len
-        positions = range(total)
-        all_slots = [block_ids[p // block_size] * block_size + p % block_size for p in positions]
-        slot_mapping.extend(all_slots[context_len:])
-        if query_len == 1 and context_len > 0:
-            decode_index.append(offset)
-            decode_slots.append(all_slots)
-        else:
-            mask = None
-            if context_len > 0:
-                # Query i sits at absolute position context_len + i and sees keys 0..context_len + i.
-                q_pos = torch.arange(context_len, total, device=device).unsqueeze(1)
-                mask = torch.arange(total, device=device).unsqueeze(0) <= q_pos
-            prefills.append(PrefillSeq(offset, query_len, torch.tensor(all_slots, device=device), mask))
-        offset += query_len
+    """seqs: per request in packed order (block_ids, context_len, query_len). Built once per step, vectorised:
+    Python work here is per request, never per token."""
+    n = len(seqs)
+    context = torch.tensor([c for _, c, _ in seqs], dtype=torch.long)
+    query = torch.tensor([q for _, _, q in seqs], dtype=torch.long)
+    total = context + query
+    num_blocks = (total + block_size - 1) // block_size
+    width = int(num_blocks.max())
+    table = torch.zeros((n, width), dtype=torch.long)
+    for i, (block_ids, _, _) in enumerate(seqs):
+        k = int(num_blocks[i])
+        table[i, :k] = torch.tensor(block_ids[:k], dtype=torch.long)
+    query_start = torch.cumsum(query, 0) - query
+    num_tokens = int(query.sum())
+    seq_of_token = torch.repeat_interleave(torch.arange(n), query)
+    position = context[seq_of_token] + torch.arange(num_tokens) - query_start[seq_of_token]
+    slot_mapping = table[seq_of_token, position // block_size] * block_size + position % block_size
+
+    is_decode = (query == 1) & (context > 0)
+    prefills = []
+    for i in torch.nonzero(~is_decode).flatten().tolist():
+        ctx, q, tot = int(context[i]), int(query[i]), int(total[i])
+        mask = None
+        if ctx > 0:
+            # Query j sits at absolute position ctx + j and sees keys 0..ctx + j.
+            mask = torch.arange(tot).unsqueeze(0) <= torch.arange(ctx, tot).unsqueeze(1)
+            mask = mask.to(device)
+        prefills.append(PrefillSeq(int(query_start[i]), q, tot, table[i, : int(num_blocks[i])].to(device), mask))
     decodes = None
-    if decode_index:
-        max_len = max(len(s) for s in decode_slots)
-        slots = torch.zeros((len(decode_slots), max_len), dtype=torch.long)
-        mask = torch.zeros((len(decode_slots), 1, 1, max_len), dtype=torch.bool)
-        for i, s in enumerate(decode_slots):
-            slots[i, : len(s)] = torch.tensor(s)
-            mask[i, 0, 0, : len(s)] = True
-        decodes = DecodeBatch(torch.tensor(decode_index, device=device), slots.to(device), mask.to(device))
-    return AttentionMetadata(kv_caches, torch.tensor(slot_mapping, dtype=torch.long, device=device), prefills,
-                             decodes, offset)
+    decode_rows = torch.nonzero(is_decode).flatten()
+    if decode_rows.numel():
+        dec_width = int(num_blocks[decode_rows].max())
+        keys = torch.arange(dec_width * block_size).unsqueeze(0) < total[decode_rows].unsqueeze(1)
+        decodes = DecodeBatch(query_start[decode_rows].to(device), table[decode_rows, :dec_width].to(device),
+                              keys[:, None, None, :].to(device))
+    return AttentionMetadata(kv_caches, slot_mapping.to(device), prefills, decodes, num_tokens)
 
 
 def paged_attention(
@@ -101,26 +105,27 @@ def paged_attention(
         raise RuntimeError("paged attention needs attn_metadata; the model must be driven by the vlmq engine")
     meta = attn_metadata
     k_cache, v_cache = meta.kv_caches[module.layer_idx]  # type: ignore[index]
-    k_new = key[0].transpose(0, 1)    # [T, kv_heads, dim]
-    v_new = value[0].transpose(0, 1)
-    k_cache.index_copy_(0, meta.slot_mapping, k_new.to(k_cache.dtype))
-    v_cache.index_copy_(0, meta.slot_mapping, v_new.to(v_cache.dtype))
+    kv_heads, dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, kv_heads, dim).index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1).to(k_cache.dtype))
+    v_cache.view(-1, kv_heads, dim).index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
 
     q = query[0]  # [heads, T, dim]
     out = torch.empty((q.shape[1], q.shape[0], q.shape[2]), dtype=query.dtype, device=query.device)
-    gqa = q.shape[0] != k_cache.shape[1]
+    gqa = q.shape[0] != kv_heads
     for seq in meta.prefills:
         q_seq = q[:, seq.query_start : seq.query_start + seq.query_len]
-        k_seq = k_cache[seq.slots].transpose(0, 1)  # [kv_heads, L, dim]
-        v_seq = v_cache[seq.slots].transpose(0, 1)
+        # Whole blocks are gathered (one index per block, not per token), then cut to the sequence's length.
+        k_seq = k_cache[seq.blocks].view(-1, kv_heads, dim)[: seq.total_len].transpose(0, 1)
+        v_seq = v_cache[seq.blocks].view(-1, kv_heads, dim)[: seq.total_len].transpose(0, 1)
         o = F.scaled_dot_product_attention(q_seq, k_seq, v_seq, attn_mask=seq.mask, is_causal=seq.mask is None,
                                            scale=scaling, enable_gqa=gqa)
         out[seq.query_start : seq.query_start + seq.query_len] = o.transpose(0, 1)
     if meta.decodes is not None:
         d = meta.decodes
+        batch = d.blocks.shape[0]
         q_dec = q[:, d.query_index].transpose(0, 1).unsqueeze(2)  # [B, heads, 1, dim]
-        k_dec = k_cache[d.slots].transpose(1, 2)                  # [B, kv_heads, max_len, dim]
-        v_dec = v_cache[d.slots].transpose(1, 2)
+        k_dec = k_cache[d.blocks].view(batch, -1, kv_heads, dim).transpose(1, 2)  # [B, kv_heads, L, dim]
+        v_dec = v_cache[d.blocks].view(batch, -1, kv_heads, dim).transpose(1, 2)
         o = F.scaled_dot_product_attention(q_dec, k_dec, v_dec, attn_mask=d.mask, scale=scaling, enable_gqa=gqa)
         out[d.query_index] = o.squeeze(2)
     return out.unsqueeze(0), None

@@ -34,7 +34,7 @@ class Engine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
         self.loaded = loaded
-        num_blocks = num_kv_blocks_for(loaded.model, self.config, loaded.device)
+        num_blocks = num_kv_blocks_for(loaded.model, self.config, loaded.device, loaded.max_positions)
         self.block_manager = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.encoder_cache = EncoderCache(self.config.encoder_cache_tokens)
         self.scheduler = Scheduler(self.config, self.block_manager, self.encoder_cache)

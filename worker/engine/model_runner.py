@@ -57,12 +57,17 @@ def _available_bytes(device: torch.device) -> int:
     return 4 << 30
 
 
-def num_kv_blocks_for(model: torch.nn.Module, config: EngineConfig, device: torch.device) -> int:
+def num_kv_blocks_for(model: torch.nn.Module, config: EngineConfig, device: torch.device,
+                      max_model_len: int | None) -> int:
+    """The configured pool, or a fraction of free memory, never more than max_num_seqs full sequences need."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     layers, kv_heads, head_dim = _kv_geometry(model)
     bytes_per_block = 2 * layers * config.block_size * kv_heads * head_dim * model.dtype.itemsize
-    return max(16, int(_available_bytes(device) * config.kv_cache_fraction) // bytes_per_block)
+    by_memory = int(_available_bytes(device) * config.kv_cache_fraction) // bytes_per_block
+    if max_model_len is not None:
+        by_memory = min(by_memory, config.max_num_seqs * -(-max_model_len // config.block_size))
+    return max(16, by_memory)
 
 
 class ModelRunner:
@@ -79,10 +84,10 @@ class ModelRunner:
         self.lm_head = self.family.lm_head(self.model)
         self.embed_tokens = self.family.embed_tokens(self.model)
         layers, kv_heads, head_dim = _kv_geometry(self.model)
-        num_slots = num_blocks * config.block_size
+        shape = (num_blocks, config.block_size, kv_heads, head_dim)
         self.kv_caches = [
-            (torch.zeros((num_slots, kv_heads, head_dim), dtype=self.model.dtype, device=self.device),
-             torch.zeros((num_slots, kv_heads, head_dim), dtype=self.model.dtype, device=self.device))
+            (torch.zeros(shape, dtype=self.model.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.model.dtype, device=self.device))
             for _ in range(layers)
         ]
         self.sampler = Sampler(self.device)
@@ -127,8 +132,6 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, int]:
-        for request_id in out.finished_ids:
-            self.remove(request_id)
         if out.encoder_inputs:
             self._encode(out)
         if not out.scheduled:

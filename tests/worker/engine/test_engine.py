@@ -215,3 +215,12 @@ def _drain(engine: Engine) -> list[GenerationResult]:
     while engine.has_unfinished():
         out.extend(engine.step())
     return out
+
+
+def test_request_ids_can_be_reused_after_they_finish(tiny_llava_path: Path) -> None:
+    engine = new_engine(tiny_llava_path, num_kv_blocks=256, block_size=8)
+    requests = make_requests(6, seed=21)
+    first = [r.token_ids for r in engine.generate(requests)]
+    second = [r.token_ids for r in engine.generate(requests)]  # a retried job comes back under its id
+    assert first == second
+    assert engine.block_manager.num_used_blocks == 0 and not engine.runner.inputs
