@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 from PIL import Image
 
+from worker.engine.allocator import keep_freed_memory
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.generation import GenerationRequest, SamplingParams
@@ -159,6 +160,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    keep_freed_memory()  # before any system runs, so the baselines get the same allocator as the engine
     print(f"CPU: {cpu_name()}; torch {torch.__version__}, {args.threads} threads, fp32")
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):

@@ -6,6 +6,7 @@ builds and reads these objects without importing a model stack.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -70,3 +71,19 @@ class InputError(ValueError):
 
     Never retried; the message is shown to the user.
     """
+
+
+def cut_at_stop_strings(
+    tokens: list[int], decode: Callable[[list[int]], str], stops: list[str]
+) -> tuple[list[int], str, bool]:
+    """(tokens, text, stopped): the tokens up to the one that completes the first stop string and the text
+    before that string; unchanged (stopped False) when no stop string occurs."""
+    text = decode(tokens)
+    if not stops or not any(s in text for s in stops):
+        return tokens, text, False
+    for k in range(1, len(tokens) + 1):
+        prefix = decode(tokens[:k])
+        hits = [i for i in (prefix.find(s) for s in stops) if i >= 0]
+        if hits:
+            return tokens[:k], prefix[: min(hits)], True
+    return tokens, text, False

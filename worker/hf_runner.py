@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
-from worker.generation import GenerationRequest, GenerationResult, SamplingParams
+from worker.generation import GenerationRequest, GenerationResult, SamplingParams, cut_at_stop_strings
 from worker.model_loader import LoadedModel
 from worker.preprocess import encode_prompt
 
@@ -257,16 +257,11 @@ class HFBatchRunner:
                 tokens = tokens[: k + 1]
                 finish_reason = "stop"
                 break
-        text = self._decoder.decode(tokens, skip_special_tokens=True)
-        stops = prepared.sampling.stop
-        if stops and any(s in text for s in stops):
-            # Keep tokens up to the one that completes the first stop string, and the text before that string.
-            for k in range(1, len(tokens) + 1):
-                prefix = self._decoder.decode(tokens[:k], skip_special_tokens=True)
-                hits = [i for i in (prefix.find(s) for s in stops) if i >= 0]
-                if hits:
-                    tokens, text, finish_reason = tokens[:k], prefix[: min(hits)], "stop"
-                    break
+        tokens, text, stopped = cut_at_stop_strings(
+            tokens, lambda t: self._decoder.decode(t, skip_special_tokens=True), prepared.sampling.stop
+        )
+        if stopped:
+            finish_reason = "stop"
         return GenerationResult(
             request_id=prepared.request.request_id,
             text=text,

@@ -31,20 +31,21 @@ class LoadedModel:
         return getattr(text_config, "max_position_embeddings", None)
 
 
-def _image_only_processor_class(base: type) -> type:
+def image_only_processor_class(base: type, name: str | None = None) -> type:
     """Subclass of a processor class with its video slot removed.
 
     Processors of video-capable families (Qwen2-VL, InternVL, ...) take a `video_processor`, and every video
     processor needs torchvision, which this project does not install. ProcessorMixin loads and saves the
     sub-processors `get_attributes` names, so dropping the video one there makes it image + tokenizer only. The
     base `__init__` stays: overriding it would lose the processor's own saved kwargs (InternVL's
-    image_seq_length) on reload.
+    image_seq_length) on reload. With `name=base.__name__`, `save_pretrained` writes `processor_class: base`,
+    which a machine with torchvision loads as the real class.
     """
 
     def get_attributes(cls: type) -> list[str]:
         return [name for name in base.get_attributes() if name != "video_processor"]
 
-    return type(f"{base.__name__}ImageOnly", (base,),
+    return type(name or f"{base.__name__}ImageOnly", (base,),
                 {"get_attributes": classmethod(get_attributes), "__module__": __name__})
 
 
@@ -67,7 +68,7 @@ def load_processor(path_or_id: str, **kwargs: Any) -> Any:
             base.__name__,
             exc,
         )
-        return _image_only_processor_class(base).from_pretrained(path_or_id, **kwargs)
+        return image_only_processor_class(base).from_pretrained(path_or_id, **kwargs)
 
 
 def _image_token_id(model: Any, processor: Any, tokenizer: Any) -> int:

@@ -166,19 +166,10 @@ def _set_generation_ids(model, tokenizer) -> None:
 
 
 def _image_only_processor(base: type, **kwargs):
-    """An instance of processor class `base` without its video slot, that saves exactly as `base` would.
+    """An instance of processor class `base` without its video slot, saved under `base`'s own name."""
+    from worker.model_loader import image_only_processor_class
 
-    Video processors need torchvision, which this project does not install. ProcessorMixin loads, checks and
-    saves the sub-processors `get_attributes` lists, so dropping "video_processor" there is enough; `base`'s own
-    `__init__` stays, so `save_pretrained` still writes every init kwarg (InternVL's `image_seq_length`) and,
-    under `base`'s name, `processor_class: base`, which a machine with torchvision loads as the real class.
-    """
-
-    def get_attributes(cls) -> list[str]:
-        return [name for name in base.get_attributes() if name != "video_processor"]
-
-    cls = type(base.__name__, (base,), {"get_attributes": classmethod(get_attributes), "__module__": __name__})
-    return cls(**kwargs)
+    return image_only_processor_class(base, name=base.__name__)(**kwargs)
 
 
 def build_tiny_llava(out_dir: Path, *, seed: int = 0, vision: str = "clip", spec: TinySpec | None = None) -> Path:

@@ -15,6 +15,7 @@ class EngineConfig:
     max_encoder_items_per_step: int = 64  # images through the vision tower per step
     encoder_cache_tokens: int = 32768    # image embeddings kept, counted in LM positions
     enable_prefix_caching: bool = True
+    overlap_vision: bool | None = None   # vision on its own CUDA stream; None: on when the device is CUDA
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:

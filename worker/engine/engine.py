@@ -6,13 +6,14 @@ import copy
 import time
 from dataclasses import dataclass, field
 
+from worker.engine.allocator import keep_freed_memory
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig
 from worker.engine.encoder_cache import EncoderCache
 from worker.engine.model_runner import ModelRunner, PreparedInput, num_kv_blocks_for
 from worker.engine.request import Request, RequestStatus
 from worker.engine.scheduler import Scheduler
-from worker.generation import GenerationRequest, GenerationResult
+from worker.generation import GenerationRequest, GenerationResult, cut_at_stop_strings
 from worker.model_loader import LoadedModel
 
 
@@ -33,6 +34,7 @@ class EngineStats:
 class Engine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
+        keep_freed_memory()
         self.loaded = loaded
         num_blocks = num_kv_blocks_for(loaded.model, self.config, loaded.device, loaded.max_positions)
         self.block_manager = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
@@ -106,18 +108,11 @@ class Engine:
         return next((s for s in req.sampling.stop if s in text), None)
 
     def _result(self, req: Request) -> GenerationResult:
-        tokens = list(req.output_token_ids)
-        text = self._decoder.decode(tokens, skip_special_tokens=True)
-        finish_reason = "length" if req.status == RequestStatus.FINISHED_LENGTH else "stop"
-        stops = req.sampling.stop
-        if stops and any(s in text for s in stops):
-            # Keep the tokens up to the one that completes the first stop string, and the text before it.
-            for k in range(1, len(tokens) + 1):
-                prefix = self._decoder.decode(tokens[:k], skip_special_tokens=True)
-                hits = [i for i in (prefix.find(s) for s in stops) if i >= 0]
-                if hits:
-                    tokens, text, finish_reason = tokens[:k], prefix[: min(hits)], "stop"
-                    break
+        tokens, text, stopped = cut_at_stop_strings(
+            list(req.output_token_ids), lambda t: self._decoder.decode(t, skip_special_tokens=True),
+            req.sampling.stop,
+        )
+        finish_reason = "stop" if stopped or req.status != RequestStatus.FINISHED_LENGTH else "length"
         return GenerationResult(
             request_id=req.request_id, text=text, token_ids=tokens, finish_reason=finish_reason,
             prompt_tokens=req.num_prompt_tokens, completion_tokens=len(tokens),

@@ -18,7 +18,7 @@ from worker.engine.encoder_cache import EncoderCache
 from worker.engine.families import ModelFamily, get_family
 from worker.engine.request import ImageItem
 from worker.engine.sampler import Sampler
-from worker.engine.scheduler_output import SchedulerOutput
+from worker.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from worker.generation import GenerationRequest, InputError
 from worker.model_loader import LoadedModel
 from worker.preprocess import encode_prompt
@@ -92,6 +92,11 @@ class ModelRunner:
         ]
         self.sampler = Sampler(self.device)
         self.inputs: dict[str, PreparedInput] = {}
+        # Vision on its own CUDA stream, overlapping the forward of requests that do not wait for it. Off on CPU,
+        # where there is nothing to overlap with; `overlap_vision=True` there still exercises the split path.
+        on_cuda = self.device.type == "cuda"
+        self.overlap_vision = config.overlap_vision if config.overlap_vision is not None else on_cuda
+        self.vision_stream = torch.cuda.Stream(self.device) if self.overlap_vision and on_cuda else None
         self.num_vision_forwards = 0
         self.vision_batch_sizes: list[int] = []
 
@@ -132,14 +137,32 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, int]:
-        if out.encoder_inputs:
+        if not out.encoder_inputs:
+            return self._forward(out.scheduled)
+        if not self.overlap_vision:
             self._encode(out)
-        if not out.scheduled:
+            return self._forward(out.scheduled)
+        # Overlap: the vision batch runs on its own stream while requests that need none of this step's new
+        # images (decodes, text and cached-image chunks) run their forward; the rest follow once it is done.
+        new_hashes = {e.content_hash for e in out.encoder_inputs}
+        waiting = [s for s in out.scheduled
+                   if any(im.content_hash in new_hashes for im in s.request.images_in(s.start, s.start + s.num_tokens))]
+        ready = [s for s in out.scheduled if s not in waiting]
+        done = self._encode(out, stream=self.vision_stream)
+        sampled = self._forward(ready)
+        if done is not None:
+            torch.cuda.current_stream(self.device).wait_event(done)
+        sampled.update(self._forward(waiting))
+        return sampled
+
+    def _forward(self, scheduled: list[ScheduledRequest]) -> dict[str, int]:
+        """One packed forward over `scheduled`; returns the tokens sampled for those that sample."""
+        if not scheduled:
             return {}
         token_ids: list[int] = []
         positions: list[torch.Tensor] = []
         seqs: list[tuple[list[int], int, int]] = []
-        for s in out.scheduled:
+        for s in scheduled:
             req = s.request
             token_ids.extend(req.all_token_ids[s.start : s.start + s.num_tokens])
             prepared = self.inputs[req.request_id]
@@ -149,7 +172,7 @@ class ModelRunner:
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         embeds = self.embed_tokens(ids)
         offset = 0
-        for s in out.scheduled:
+        for s in scheduled:
             for image in s.request.images_in(s.start, s.start + s.num_tokens):
                 rows = self.encoder_cache.get(image.content_hash)
                 first = offset + image.offset - s.start
@@ -161,7 +184,7 @@ class ModelRunner:
             inputs_embeds=embeds.unsqueeze(0), position_ids=position_ids.to(self.device), attention_mask=None,
             use_cache=False, attn_metadata=meta,
         ).last_hidden_state[0]
-        sampling = [(s, offset_end - 1) for s, offset_end in zip(out.scheduled, _cumsum(seqs), strict=True)
+        sampling = [(s, offset_end - 1) for s, offset_end in zip(scheduled, _cumsum(seqs), strict=True)
                     if s.samples]
         if not sampling:
             return {}
@@ -171,13 +194,25 @@ class ModelRunner:
         tokens = self.sampler.sample(logits, request_ids, [s.request.sampling for s, _ in sampling])
         return dict(zip(request_ids, tokens, strict=True))
 
-    def _encode(self, out: SchedulerOutput) -> None:
+    def _encode(self, out: SchedulerOutput, stream: torch.cuda.Stream | None = None) -> torch.cuda.Event | None:
+        """Run this step's vision batch; on a CUDA side stream, returns the event that marks its end."""
         inputs = [self.inputs[e.request.request_id].image_inputs[e.image_index] for e in out.encoder_inputs]
-        embeddings = self.family.encode_images(self.model, inputs)
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))  # its inputs were written on the main one
+            with torch.cuda.stream(stream):
+                embeddings = self.family.encode_images(self.model, inputs)
+                done = torch.cuda.Event()
+                done.record(stream)
+            for emb in embeddings:  # made on the side stream, read and freed on the main one
+                emb.record_stream(torch.cuda.current_stream(self.device))
+        else:
+            embeddings = self.family.encode_images(self.model, inputs)
+            done = None
         self.num_vision_forwards += 1
         self.vision_batch_sizes.append(len(inputs))
         for e, emb in zip(out.encoder_inputs, embeddings, strict=True):
             self.encoder_cache.put(e.content_hash, emb)
+        return done
 
 
 def _cumsum(seqs: list[tuple[list[int], int, int]]) -> list[int]:

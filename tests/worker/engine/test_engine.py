@@ -181,6 +181,17 @@ def test_encoder_budget_pushes_images_to_later_steps(family: tuple[str, Path], r
     assert engine.runner.num_vision_forwards == sum(len(r.images) for r in requests)
 
 
+def test_split_forward_for_vision_overlap_matches(family: tuple[str, Path], reference_model: LoadedModel) -> None:
+    """The path a GPU takes to overlap vision with decode (two forwards per step) gives the same tokens."""
+    name, path = family
+    requests = make_requests(20, seed=1)
+    engine = new_engine(path, num_kv_blocks=512, block_size=8, max_num_batched_tokens=96,
+                        max_encoder_items_per_step=3, overlap_vision=True)
+    results = run_engine(engine, requests, seed=8)
+    assert_identical(reference_model, name, requests, results)
+    assert engine.runner.num_vision_forwards >= 6
+
+
 def test_sampling_seed_is_batch_independent(family: tuple[str, Path]) -> None:
     _, path = family
     base = make_requests(6, seed=11)
