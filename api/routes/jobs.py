@@ -105,7 +105,7 @@ async def create_job(
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if content_type == "application/json":
         req = await _from_json(request)
-    elif content_type == "multipart/form-data":
+    elif content_type in ("multipart/form-data", "application/x-www-form-urlencoded"):
         req = await _from_form(request, state)
     else:
         raise HTTPException(415, f"unsupported content type {content_type or '(none)'!r}: send application/json "

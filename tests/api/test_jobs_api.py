@@ -211,3 +211,45 @@ def test_missing_job_is_404(api: httpx.Client) -> None:
     assert "not found" in _error(api.get("/v1/jobs/job_nope"), 404)
     assert "not found" in _error(api.post("/v1/jobs/job_nope/cancel"), 404)
     assert "not found" in _error(api.get("/v1/images/img_nope"), 404)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        chat_body("data:"),
+        chat_body("data:image/png;base64,"),
+        chat_body("data:image/png,notbase64"),
+        chat_body("img_" + "z" * 64),
+        chat_body("ftp://host/x.png"),
+        {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "video", "video": "x"}]}]},
+        {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text"}]}]},
+        {"model": MODEL, "messages": "hello"},
+        {"model": MODEL, "messages": [None]},
+        {**chat_body(), "priority": "high"},
+        {**chat_body(), "metadata": [1, 2]},
+        {**chat_body(), "max_tokens": "many"},
+        {**chat_body(), "stream": True},
+        {**chat_body(), "seed": 1.5},
+        {**chat_body(), "model": 7},
+    ],
+)
+def test_hostile_bodies_never_500(api: httpx.Client, body: dict) -> None:
+    response = api.post("/v1/jobs", json=body)
+    assert 400 <= response.status_code < 500, response.text
+    assert response.json()["error"]["message"]
+
+
+def test_hostile_headers_and_forms_never_500(api: httpx.Client) -> None:
+    long_key = api.post("/v1/jobs", json=chat_body(), headers={"Idempotency-Key": "k" * 300})
+    assert long_key.status_code == 400 and "Idempotency-Key" in long_key.json()["error"]["message"]
+    too_many = api.post("/v1/jobs", data={"prompt": "x"},
+                        files=[("image", (f"{i}.png", png_bytes((i, i, i)), "image/png")) for i in range(20)])
+    assert 400 <= too_many.status_code < 500, too_many.text
+    bad_meta = api.post("/v1/jobs", data={"prompt": "x", "metadata": "{not json"})
+    assert bad_meta.status_code == 400 and "metadata" in bad_meta.json()["error"]["message"]
+    no_type = api.post("/v1/jobs", content=b"{}")
+    assert no_type.status_code == 415
+    empty_upload = api.post("/v1/images", files={"file": ("e.png", b"", "image/png")})
+    assert empty_upload.status_code == 400 and "empty" in empty_upload.json()["error"]["message"]
+    no_file = api.post("/v1/images", data={"x": "y"})
+    assert no_file.status_code == 422
