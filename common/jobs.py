@@ -99,6 +99,16 @@ def heartbeat(session: Session, job_ids: list[str], worker_id: str, lease_second
     return session.execute(stmt).rowcount
 
 
+def held_by(session: Session, job_ids: list[str], worker_id: str) -> set[str]:
+    """Those of `job_ids` that `worker_id` still runs (not cancelled, not taken over by another worker)."""
+    if not job_ids:
+        return set()
+    rows = session.scalars(
+        select(Job.id).where(Job.id.in_(job_ids), Job.lease_owner == worker_id, Job.status == JobStatus.RUNNING)
+    )
+    return set(rows)
+
+
 def _held_by(job_id: str, worker_id: str) -> Any:
     return and_(Job.id == job_id, Job.lease_owner == worker_id, Job.status == JobStatus.RUNNING)
 

@@ -30,6 +30,7 @@ class Generator(Protocol):
 
     def prepare(self, req: GenerationRequest) -> Any: ...
     def submit(self, prepared: Any) -> Future[GenerationResult]: ...
+    def abort(self, request_id: str) -> None: ...
     def close(self, timeout: float = 10.0) -> None: ...
 
 
@@ -69,6 +70,9 @@ class BatchingGenerator:
         future: Future[GenerationResult] = Future()
         self._pending.put((prepared, future))
         return future
+
+    def abort(self, request_id: str) -> None:
+        """A padded batch cannot drop one row; the request runs on and its result is refused by SQL."""
 
     def close(self, timeout: float = 10.0) -> None:
         self._closed.set()

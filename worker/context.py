@@ -48,7 +48,8 @@ def build_context(settings: Settings) -> WorkerContext:
     log.info("worker %s loading model %s on %s (%s)", worker_id, settings.model, settings.device, settings.dtype)
     loaded = load_model(settings.model, device=settings.device, dtype=dtype)
     generator = make_backend(loaded, settings)
-    leases = LeaseKeeper(db, worker_id, settings.lease_seconds, settings.heartbeat_seconds)
+    leases = LeaseKeeper(db, worker_id, settings.lease_seconds, settings.heartbeat_seconds,
+                         on_lost=generator.abort)
     pipeline = JobPipeline(settings, db, store, generator, leases, worker_id)
     return WorkerContext(settings, db, store, generator, leases, pipeline, worker_id)
 

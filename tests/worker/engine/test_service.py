@@ -1,0 +1,58 @@
+"""The thread front: many submitters, futures resolved as requests finish, aborts free everything."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from tests.worker.engine.test_engine import make_requests
+from worker.engine.config import EngineConfig
+from worker.engine.engine import Engine
+from worker.engine.service import EngineService
+from worker.generation import InputError
+from worker.model_loader import load_model
+
+
+@pytest.fixture
+def service(tiny_llava_path: Path):  # type: ignore[no-untyped-def]
+    svc = EngineService(Engine(load_model(str(tiny_llava_path)), EngineConfig(num_kv_blocks=256, block_size=8)))
+    yield svc
+    svc.close()
+
+
+def test_threads_submit_and_get_what_the_engine_alone_gives(service: EngineService, tiny_llava_path: Path) -> None:
+    requests = make_requests(12, seed=31)
+    alone = Engine(load_model(str(tiny_llava_path)), EngineConfig(num_kv_blocks=256, block_size=8))
+    expected = {r.request_id: r.token_ids for r in alone.generate(requests)}
+    with ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(lambda r: service.submit(service.prepare(r)).result(timeout=120), requests))
+    assert {r.request_id: r.token_ids for r in results} == expected
+
+
+def test_abort_stops_a_running_request(service: EngineService) -> None:
+    long, short = make_requests(2, seed=32)
+    long = replace(long, request_id="long", sampling=replace(long.sampling, max_tokens=400))
+    doomed = service.submit(service.prepare(long))
+    deadline = time.monotonic() + 30
+    while service.engine.scheduler.num_running == 0 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    service.abort("long")  # a few steps into a run of ~400 tokens
+    with pytest.raises(RuntimeError, match="aborted"):
+        doomed.result(timeout=30)
+    assert service.submit(service.prepare(short)).result(timeout=60).completion_tokens <= short.sampling.max_tokens
+    engine = service.engine
+    assert not engine.has_unfinished() and engine.block_manager.num_used_blocks == 0
+
+
+def test_request_that_can_never_fit_fails_alone(tiny_llava_path: Path) -> None:
+    svc = EngineService(Engine(load_model(str(tiny_llava_path)), EngineConfig(num_kv_blocks=2, block_size=4)))
+    try:
+        req = make_requests(1, seed=33)[0]
+        with pytest.raises(InputError):
+            svc.submit(svc.prepare(req)).result(timeout=30)
+    finally:
+        svc.close()

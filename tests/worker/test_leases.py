@@ -1,0 +1,41 @@
+"""The heartbeat keeps held leases alive and reports jobs the worker lost (cancelled, taken over)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from common import jobs
+from common.db import Database
+from common.migrate import upgrade
+from common.models import Job
+from worker.leases import LeaseKeeper
+
+REQUEST = {"messages": [], "sampling": {}}
+
+
+def test_beat_extends_held_and_reports_cancelled(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    upgrade(url)
+    db = Database(url)
+    with db.session() as s:
+        kept, cancelled, stolen = (jobs.create_job(s, model="m", request=REQUEST).id for _ in range(3))
+    with db.session() as s:
+        for job_id in (kept, cancelled, stolen):
+            jobs.claim(s, job_id, "w1", 5)
+    lost: list[str] = []
+    keeper = LeaseKeeper(db, "w1", lease_seconds=600, interval_seconds=3600, on_lost=lost.append)
+    try:
+        for job_id in (kept, cancelled, stolen):
+            keeper.add(job_id)
+        with db.session() as s:
+            jobs.cancel(s, cancelled)
+            s.get(Job, stolen).lease_owner = "w2"  # another worker took it over after a lease expiry
+        assert keeper.beat() == 1
+        assert sorted(lost) == sorted([cancelled, stolen])
+        assert keeper.held() == [kept]
+        with db.session() as s:
+            lease = s.get(Job, kept).lease_until
+        assert lease is not None and (lease - jobs.utcnow()).total_seconds() > 500
+    finally:
+        keeper.close()
+        db.dispose()
