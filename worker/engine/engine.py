@@ -69,6 +69,26 @@ class Engine:
         self.runner.remove(request_id)
         return aborted
 
+    def metrics(self) -> dict[str, float]:
+        """Counters for dashboards (Prometheus in the worker): load, KV use, caches, vision batches, speed."""
+        bm, ec, runner = self.block_manager, self.encoder_cache, self.runner
+        return {
+            "requests_running": self.scheduler.num_running,
+            "requests_waiting": self.scheduler.num_waiting,
+            "kv_blocks_used": bm.num_used_blocks,
+            "kv_blocks_free": bm.num_free_blocks,
+            "prefix_cache_query_tokens": bm.num_prefix_query_tokens,
+            "prefix_cache_hit_tokens": bm.num_prefix_hit_tokens,
+            "encoder_cache_hits": ec.num_hits,
+            "encoder_cache_misses": ec.num_misses,
+            "vision_forwards": runner.num_vision_forwards,
+            "vision_images": sum(runner.vision_batch_sizes),
+            "preemptions": self.scheduler.num_preemptions,
+            "steps": self.stats.num_steps,
+            "generated_tokens": self.stats.num_generated_tokens,
+            "generated_tokens_per_s": self.stats.generated_tokens_per_s,
+        }
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 

@@ -164,9 +164,11 @@ def test_same_image_encoded_once(family: tuple[str, Path], reference_model: Load
                         enable_prefix_caching=False)
     results = run_engine(engine, requests, seed=4)
     assert_identical(reference_model, name, requests, results)
-    assert engine.encoder_cache.num_misses == 1
-    assert engine.encoder_cache.num_hits >= 15
-    assert sum(engine.runner.vision_batch_sizes) == 1
+    metrics = engine.metrics()
+    assert metrics["encoder_cache_misses"] == 1 and metrics["encoder_cache_hits"] >= 15
+    assert metrics["vision_images"] == 1 and metrics["vision_forwards"] == 1
+    assert metrics["requests_running"] == 0 and metrics["kv_blocks_used"] == 0
+    assert metrics["generated_tokens"] == sum(r.completion_tokens for r in results.values())
 
 
 def test_encoder_budget_pushes_images_to_later_steps(family: tuple[str, Path], reference_model: LoadedModel
