@@ -7,16 +7,38 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api.deps import AppState
 from api.errors import BodySizeLimit, install_error_handlers
-from api.routes import health, images, jobs
+from api.routes import batches, datasets, files, health, images, jobs
 from common.db import get_database
 from common.queue import make_celery
 from common.settings import Settings, get_settings
 from common.storage import make_store
 
 log = logging.getLogger(__name__)
+
+# Multipart framing and the `purpose` field ride on top of the file itself.
+UPLOAD_OVERHEAD_BYTES = 1024 * 1024
+
+
+class RouteBodyLimits:
+    """The upload routes stream files far larger than any JSON body (POST /v1/datasets two of them); every
+    other route keeps max_body_bytes."""
+
+    def __init__(self, app: ASGIApp, default_bytes: int, file_bytes: int) -> None:
+        self.default = BodySizeLimit(app, max_bytes=default_bytes)
+        self.uploads = {
+            "/v1/files": BodySizeLimit(app, max_bytes=file_bytes + UPLOAD_OVERHEAD_BYTES),
+            "/v1/datasets": BodySizeLimit(app, max_bytes=2 * file_bytes + UPLOAD_OVERHEAD_BYTES),
+        }
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        limit = self.default
+        if scope["type"] == "http" and scope.get("method") == "POST":
+            limit = self.uploads.get(scope.get("path", "").rstrip("/"), self.default)
+        await limit(scope, receive, send)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -39,5 +61,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(health.router)
     app.include_router(images.router)
     app.include_router(jobs.router)
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.include_router(files.router)
+    app.include_router(batches.router)
+    app.include_router(datasets.router)
+    app.add_middleware(RouteBodyLimits, default_bytes=settings.max_body_bytes, file_bytes=settings.max_file_bytes)
     return app

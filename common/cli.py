@@ -65,10 +65,12 @@ def api(
 def worker(
     concurrency: Annotated[int | None, typer.Option(help="Jobs held in flight (threads).")] = None,
     model: Annotated[str | None, typer.Option(help="HF model id or path (default: VLMQ_MODEL).")] = None,
+    ingest: Annotated[bool, typer.Option("--ingest/--no-ingest",
+                                         help="Also run batch ingestion/finalization (the ingest queue).")] = True,
     loglevel: Annotated[str, typer.Option(help="Celery log level.")] = "INFO",
 ) -> None:
     """Run a GPU/CPU worker: one model per process, many jobs in flight, batched together."""
-    from common.queue import make_celery
+    from common.queue import ingest_queue, make_celery
     from worker.context import get_context
     from worker.tasks import register_tasks
 
@@ -76,10 +78,33 @@ def worker(
     celery_app = make_celery(settings)
     register_tasks(celery_app)
     get_context(settings)  # load the model before taking any message
+    queues = [settings.job_queue] + ([ingest_queue(settings)] if ingest else [])
     celery_app.worker_main([
-        "worker", "--pool=threads", f"--concurrency={settings.worker_concurrency}", f"--queues={settings.job_queue}",
+        "worker", "--pool=threads", f"--concurrency={settings.worker_concurrency}", f"--queues={','.join(queues)}",
         f"--loglevel={loglevel}", "--without-gossip", "--without-mingle", f"--hostname=vlmq-{settings.job_queue}@%h",
     ])
+
+
+@app.command("ingest-worker")
+def ingest_worker(
+    concurrency: Annotated[int | None, typer.Option(help="Batch tasks run at once (threads).")] = None,
+    beat: Annotated[bool, typer.Option(help="Also run Celery beat here (the periodic batch sweep).")] = False,
+    loglevel: Annotated[str, typer.Option(help="Celery log level.")] = "INFO",
+) -> None:
+    """Run batch ingestion, cancellation and finalization (the ingest queue). Loads no model, imports no torch."""
+    from common.queue import ingest_queue, make_celery
+    from worker.tasks import register_tasks
+
+    settings = _settings(ingest_concurrency=concurrency)
+    celery_app = make_celery(settings)
+    register_tasks(celery_app)
+    argv = ["worker", "--pool=threads", f"--concurrency={settings.ingest_concurrency}",
+            f"--queues={ingest_queue(settings)}", f"--loglevel={loglevel}", "--without-gossip", "--without-mingle",
+            "--hostname=vlmq-ingest@%h"]
+    if beat:
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        argv += ["--beat", f"--schedule={settings.data_dir / 'celerybeat-schedule'}"]
+    celery_app.worker_main(argv)
 
 
 @app.command()
@@ -163,6 +188,15 @@ def make_tiny_model(
 
     path = build_tiny_llava(out_dir, seed=seed)
     typer.echo(f"tiny random-weight LLaVA written to {path} (its answers are noise)")
+
+
+def _add_batch_commands() -> None:
+    from common.batch_cli import batch_app
+
+    app.add_typer(batch_app, name="batch")
+
+
+_add_batch_commands()
 
 
 def main() -> None:

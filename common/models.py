@@ -31,6 +31,11 @@ class UTCDateTime(TypeDecorator[datetime]):
         return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
 
+def new_file_id() -> str:
+    """OpenAI spells file ids `file-...`; ours are time-ordered like every other id."""
+    return f"file-{int(time.time() * 1000):012x}{os.urandom(10).hex()}"
+
+
 def utcnow() -> datetime:
     return datetime.now(UTC)
 
@@ -74,6 +79,9 @@ class Job(Base):
     __table_args__ = (
         Index("ix_jobs_status_lease_until", "status", "lease_until"),
         Index("ix_jobs_batch_id_status", "batch_id", "status"),
+        # One job per custom_id within a batch: ingestion detects duplicates across chunks with
+        # INSERT .. ON CONFLICT DO NOTHING instead of a set of every id seen (bounded memory).
+        Index("ux_jobs_batch_id_custom_id", "batch_id", "custom_id", unique=True),
     )
 
     id: Mapped[str] = mapped_column(String(48), primary_key=True)
@@ -103,3 +111,101 @@ class Job(Base):
     completion_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)
     error_code: Mapped[str | None] = mapped_column(String(64), nullable=True)
     error_message: Mapped[str | None] = mapped_column(Text, nullable=True)
+
+
+class FileRecord(Base):
+    """A file of the OpenAI Files API: a batch input upload or a batch's output/error JSONL."""
+
+    __tablename__ = "files"
+
+    id: Mapped[str] = mapped_column(String(48), primary_key=True)  # file-...
+    object_key: Mapped[str] = mapped_column(String(255))
+    size_bytes: Mapped[int] = mapped_column("bytes", BigInteger)
+    filename: Mapped[str] = mapped_column(String(512))
+    purpose: Mapped[str] = mapped_column(String(32))  # batch (uploads) or batch_output (what we write)
+    status: Mapped[str] = mapped_column(String(16), default="processed")
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+
+
+class BatchStatus(enum.StrEnum):
+    VALIDATING = "validating"
+    FAILED = "failed"
+    IN_PROGRESS = "in_progress"
+    FINALIZING = "finalizing"
+    COMPLETED = "completed"
+    EXPIRED = "expired"
+    CANCELLING = "cancelling"
+    CANCELLED = "cancelled"
+
+
+BATCH_FINAL_STATUSES = frozenset(
+    {BatchStatus.FAILED, BatchStatus.COMPLETED, BatchStatus.EXPIRED, BatchStatus.CANCELLED}
+)
+
+
+class Batch(Base):
+    """An OpenAI batch. Its jobs carry batch_id; counts are live while it runs and frozen once it ends."""
+
+    __tablename__ = "batches"
+
+    id: Mapped[str] = mapped_column(String(48), primary_key=True)  # batch_...
+    status: Mapped[str] = mapped_column(String(16), index=True, default=BatchStatus.VALIDATING)
+    endpoint: Mapped[str] = mapped_column(String(64))
+    completion_window: Mapped[str] = mapped_column(String(16))
+    input_file_id: Mapped[str] = mapped_column(String(48))
+    model: Mapped[str] = mapped_column(String(255))  # the served model at creation: decides the job queue
+    metadata_: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSON, nullable=True)
+    errors: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON, nullable=True)  # why it failed
+    output_file_id: Mapped[str | None] = mapped_column(String(48), nullable=True)
+    error_file_id: Mapped[str | None] = mapped_column(String(48), nullable=True)
+    # Native datasets (a vlmq extension): a zip/tar of images the input lines name by relative path. Its
+    # members are stored and indexed (batch_images) once, before the lines are read.
+    images_file_id: Mapped[str | None] = mapped_column(String(48), nullable=True)
+    images_indexed_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    images_root: Mapped[str | None] = mapped_column(String(255), nullable=True)  # the archive's one top folder
+
+    # Ingestion progress, committed with each chunk of job rows: a redelivered ingest task resumes after
+    # `ingested_lines` (a physical line number of the input file) instead of inserting twice.
+    ingested_lines: Mapped[int] = mapped_column(Integer, default=0)
+    total_requests: Mapped[int] = mapped_column(Integer, default=0)  # non-blank lines read so far
+    refused_requests: Mapped[int] = mapped_column(Integer, default=0)  # lines refused at ingestion
+    # Frozen at finalization; while the batch runs they are counted from its jobs.
+    completed_requests: Mapped[int] = mapped_column(Integer, default=0)
+    failed_requests: Mapped[int] = mapped_column(Integer, default=0)
+    input_tokens: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    output_tokens: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    in_progress_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    finalizing_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    completed_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    failed_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    expired_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    cancelling_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    cancelled_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+
+
+class BatchLineError(Base):
+    """A line of a batch input file refused at ingestion; written in the same transaction as its chunk."""
+
+    __tablename__ = "batch_line_errors"
+
+    batch_id: Mapped[str] = mapped_column(String(48), primary_key=True)
+    line: Mapped[int] = mapped_column(Integer, primary_key=True)
+    custom_id: Mapped[str | None] = mapped_column(String(512), nullable=True)
+    code: Mapped[str] = mapped_column(String(64))
+    message: Mapped[str] = mapped_column(Text)
+
+
+class BatchImage(Base):
+    """A member of a batch's image archive: its relative path -> the stored image (or why it is unusable)."""
+
+    __tablename__ = "batch_images"
+
+    batch_id: Mapped[str] = mapped_column(String(48), primary_key=True)
+    path_hash: Mapped[str] = mapped_column(String(64), primary_key=True)  # sha256 of path: any length indexes
+    path: Mapped[str] = mapped_column(Text)
+    image_id: Mapped[str | None] = mapped_column(String(64), nullable=True)  # sha256 of the image bytes
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)

@@ -2,16 +2,33 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from celery import Celery
 
 from common.settings import Settings
 
 TASK_RUN_JOB = "vlmq.run_job"
+TASK_INGEST_BATCH = "vlmq.ingest_batch"
+TASK_FINALIZE_BATCH = "vlmq.finalize_batch"
+TASK_CANCEL_BATCH = "vlmq.cancel_batch"
+TASK_SWEEP_BATCHES = "vlmq.sweep_batches"
+BATCH_TASKS = (TASK_INGEST_BATCH, TASK_FINALIZE_BATCH, TASK_CANCEL_BATCH, TASK_SWEEP_BATCHES)
+
+# Batch bookkeeping (ingest, finalize, cancel) needs no model, so it has a queue of its own that a light
+# `vlmq ingest-worker` can consume; a GPU worker may consume it too (`vlmq worker --ingest`).
+INGEST_QUEUE = "ingest"
+SWEEP_INTERVAL_SECONDS = 60.0
 
 
 def celery_priority(job_priority: int) -> int:
     """Our priority is 0 (lowest) .. 9 (highest); on Redis, Celery's 0 is the highest."""
     return 9 - max(0, min(9, job_priority))
+
+
+def ingest_queue(settings: Settings) -> str:
+    # The embedded worker (memory:// broker) consumes only the model's queue; batch tasks go there too.
+    return settings.job_queue if settings.embedded_broker else INGEST_QUEUE
 
 
 def make_celery(settings: Settings) -> Celery:
@@ -34,14 +51,59 @@ def make_celery(settings: Settings) -> Celery:
             "priority_steps": list(range(10)),
         },
         task_default_priority=celery_priority(5),
-        task_routes={TASK_RUN_JOB: {"queue": settings.job_queue}},
+        task_routes={
+            TASK_RUN_JOB: {"queue": settings.job_queue},
+            **{name: {"queue": ingest_queue(settings)} for name in BATCH_TASKS},
+        },
+        # Safety net for finalize triggers that never came (a job reaped to `dead`, a lost message): for
+        # whoever runs Celery beat (`vlmq ingest-worker --beat`).
+        beat_schedule={"sweep-batches": {"task": TASK_SWEEP_BATCHES, "schedule": SWEEP_INTERVAL_SECONDS}},
         worker_hijack_root_logger=False,
         broker_heartbeat=0,
     )
+    # Tasks read the settings the app was made with (embedded runs pass overrides that are not in the env).
+    app.vlmq_settings = settings  # type: ignore[attr-defined]
     return app
+
+
+def app_settings(app: Celery) -> Settings | None:
+    return getattr(app, "vlmq_settings", None)
 
 
 def send_run_job(app: Celery, settings: Settings, job_id: str, priority: int) -> None:
     app.send_task(
         TASK_RUN_JOB, args=[job_id], queue=settings.job_queue, priority=celery_priority(priority)
     )
+
+
+def send_run_jobs(app: Celery, settings: Settings, job_ids: Iterable[str], priority: int) -> int:
+    """Dispatch many jobs over one broker connection (ingestion sends thousands per chunk)."""
+    sent = 0
+    with app.producer_or_acquire() as producer:
+        for job_id in job_ids:
+            app.send_task(TASK_RUN_JOB, args=[job_id], queue=settings.job_queue,
+                          priority=celery_priority(priority), producer=producer)
+            sent += 1
+    return sent
+
+
+def _send_batch_task(app: Celery, settings: Settings, name: str, batch_id: str) -> None:
+    # Batch bookkeeping goes ahead of any job message that might share its queue in embedded mode.
+    app.send_task(name, args=[batch_id], queue=ingest_queue(settings), priority=0)
+
+
+def send_ingest_batch(app: Celery, settings: Settings, batch_id: str) -> None:
+    _send_batch_task(app, settings, TASK_INGEST_BATCH, batch_id)
+
+
+def send_finalize_batch(app: Celery, settings: Settings, batch_id: str) -> None:
+    _send_batch_task(app, settings, TASK_FINALIZE_BATCH, batch_id)
+
+
+def send_cancel_batch(app: Celery, settings: Settings, batch_id: str) -> None:
+    _send_batch_task(app, settings, TASK_CANCEL_BATCH, batch_id)
+
+
+def send_sweep_batches(app: Celery, settings: Settings) -> None:
+    """What beat sends every SWEEP_INTERVAL_SECONDS; also handy to run a sweep now."""
+    app.send_task(TASK_SWEEP_BATCHES, queue=ingest_queue(settings), priority=0)

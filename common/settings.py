@@ -73,6 +73,13 @@ class Settings(BaseSettings):
     max_tokens_limit: int = Field(default=4096, ge=1)
     allowed_image_formats: list[str] = Field(default_factory=lambda: ["JPEG", "PNG", "WEBP", "GIF", "BMP"])
 
+    # OpenAI Files and Batches. A batch input line is held whole while it is checked, so it is capped by
+    # max_body_bytes like a single job's body; the file itself is streamed and capped here.
+    max_file_bytes: int = Field(default=200 * 1024 * 1024, ge=1024, description="Largest POST /v1/files upload.")
+    batch_priority: int = Field(default=2, ge=0, le=9, description="Priority of batch jobs (/v1/jobs default: 5).")
+    ingest_chunk_rows: int = Field(default=500, ge=1, description="Input lines per ingest transaction/dispatch.")
+    ingest_concurrency: int = Field(default=4, ge=1, description="Tasks a `vlmq ingest-worker` runs at once.")
+
     @field_validator("data_dir", "storage_dir")
     @classmethod
     def _expand(cls, value: Path | None) -> Path | None:

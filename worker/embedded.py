@@ -36,6 +36,7 @@ def embedded_worker(app: Celery, settings: Settings, ready_timeout: float = 120.
     logging.getLogger("kombu.connection").setLevel(logging.ERROR)
     register_tasks(app)
     app.finalize()
+    app.set_default()  # tasks' self.app / self.retry must reach this app's broker, not Celery's default
     get_context(settings)  # load the model before consuming, so start-up errors surface here
     worker = _ThreadWorker(
         app=app,

@@ -14,31 +14,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from sqlalchemy import func, select
 
+from common.batch_input import LineError, iter_lines, job_line, parse_line, refused_line
 from common.db import get_database
 from common.migrate import upgrade
 from common.models import TERMINAL_STATUSES, Job, JobStatus, new_id
 from common.queue import make_celery, send_run_job
-from common.schemas import ChatCompletionRequest
 from common.settings import Settings
 from common.storage import make_store
 from common.submission import SubmissionError, submit_job
-from common.views import chat_completion
 from worker.embedded import embedded_worker
-
-CHAT_URL = "/v1/chat/completions"
-
-
-@dataclass
-class LineError:
-    line: int
-    custom_id: str | None
-    code: str
-    message: str
 
 
 @dataclass
@@ -52,41 +40,9 @@ class RunSummary:
     completion_tokens: int = 0
 
 
-def _parse_line(number: int, raw: str, seen: set[str]) -> tuple[str, ChatCompletionRequest] | LineError:
-    try:
-        row = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        return LineError(number, None, "invalid_json", f"line {number} is not valid JSON: {exc}")
-    if not isinstance(row, dict):
-        return LineError(number, None, "invalid_line", f"line {number} must be a JSON object")
-    custom_id = row.get("custom_id")
-    if not isinstance(custom_id, str) or not custom_id:
-        return LineError(number, None, "missing_custom_id", f"line {number} needs a non-empty string custom_id")
-    if custom_id in seen:
-        return LineError(number, custom_id, "duplicate_custom_id", f"custom_id {custom_id!r} appears twice")
-    seen.add(custom_id)
-    if row.get("method", "POST") != "POST" or row.get("url", CHAT_URL) != CHAT_URL:
-        return LineError(number, custom_id, "invalid_url", f"only POST {CHAT_URL} is supported")
-    try:
-        return custom_id, ChatCompletionRequest.model_validate(row.get("body"))
-    except ValidationError as exc:
-        detail = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-        return LineError(number, custom_id, "invalid_request", f"line {number}: {detail}")
-
-
-def _lines(path: Path) -> Iterator[tuple[int, str | None]]:
-    """(line number, text); text is None for a line that is not UTF-8, so one bad line stays one error."""
+def _lines(path: Path, max_line_bytes: int) -> Iterator[tuple[int, str | LineError]]:
     with path.open("rb") as f:
-        for number, raw in enumerate(f, start=1):
-            if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
-                raw = raw[3:]
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                yield number, None
-                continue
-            if text.strip():
-                yield number, text
+        yield from iter_lines(iter(lambda: f.read(1 << 20), b""), max_line_bytes)
 
 
 def run_file(input_path: Path, output_path: Path, settings: Settings, console: Console | None = None) -> RunSummary:
@@ -100,13 +56,9 @@ def run_file(input_path: Path, output_path: Path, settings: Settings, console: C
     with embedded_worker(app, settings):
         started = time.monotonic()  # throughput counts the jobs, not the model load
         seen: set[str] = set()
-        for number, raw in _lines(input_path):
+        for number, raw in _lines(input_path, settings.max_body_bytes):
             summary.total_lines += 1
-            if raw is None:
-                parsed: tuple[str, ChatCompletionRequest] | LineError = LineError(
-                    number, None, "invalid_utf8", f"line {number} is not valid UTF-8")
-            else:
-                parsed = _parse_line(number, raw, seen)
+            parsed = raw if isinstance(raw, LineError) else parse_line(number, raw, seen)
             if isinstance(parsed, LineError):
                 summary.line_errors.append(parsed)
                 order.append(("error", str(len(summary.line_errors) - 1)))
@@ -162,8 +114,7 @@ def _write_output(db: Any, store: Any, summary: RunSummary, order: list[tuple[st
         for kind, key in order:
             if kind == "error":
                 err = summary.line_errors[int(key or 0)]
-                line = {"id": f"batch_req_line{err.line}", "custom_id": err.custom_id, "response": None,
-                        "error": {"code": err.code, "message": err.message}}
+                line = refused_line(err, f"batch_req_line{err.line}")
             else:
                 line = _job_line(by_custom_id[key], store)
                 if line["response"] is not None:
@@ -173,13 +124,10 @@ def _write_output(db: Any, store: Any, summary: RunSummary, order: list[tuple[st
 
 
 def _job_line(job: Job, store: Any) -> dict[str, Any]:
-    if job.status == JobStatus.SUCCEEDED:
+    body = None
+    if job.status == JobStatus.SUCCEEDED and job.result_key:
         try:
             body = json.loads(store.get(job.result_key))
         except Exception:
-            body = chat_completion(job.id, job.model, int(job.created_at.timestamp()), job.result_text or "",
-                                   job.finish_reason or "stop", job.prompt_tokens or 0, job.completion_tokens or 0)
-        return {"id": f"batch_req_{job.id}", "custom_id": job.custom_id,
-                "response": {"status_code": 200, "request_id": job.id, "body": body}, "error": None}
-    return {"id": f"batch_req_{job.id}", "custom_id": job.custom_id, "response": None,
-            "error": {"code": job.error_code or job.status, "message": job.error_message or f"job {job.status}"}}
+            body = None  # rebuilt from the row
+    return job_line(job, body)

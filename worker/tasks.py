@@ -1,14 +1,68 @@
-"""Thin Celery tasks; the work is in worker.pipeline."""
+"""Thin Celery tasks; the work is in worker.pipeline, worker.ingest and worker.finalize.
+
+Only run_job needs the model: batch tasks use a light context (settings, database, object store) built on
+first use, so a `vlmq ingest-worker` process never imports torch and a GPU worker's model is not loaded for
+them either.
+"""
 
 from __future__ import annotations
 
+import logging
+import threading
+from dataclasses import dataclass
+
 from celery import Celery, Task
 
-from common.queue import TASK_RUN_JOB
+from common import batches
+from common.db import Database, get_database
+from common.queue import (
+    TASK_CANCEL_BATCH,
+    TASK_FINALIZE_BATCH,
+    TASK_INGEST_BATCH,
+    TASK_RUN_JOB,
+    TASK_SWEEP_BATCHES,
+    app_settings,
+    send_finalize_batch,
+    send_run_jobs,
+)
+from common.settings import Settings, get_settings
+from common.storage import ObjectStore, make_store
 from worker.context import get_context
+
+log = logging.getLogger(__name__)
+
+BATCH_TASK_RETRIES = 8
+
+
+@dataclass
+class BatchContext:
+    settings: Settings
+    db: Database
+    store: ObjectStore
+
+
+_batch_contexts: dict[int, BatchContext] = {}
+_batch_lock = threading.Lock()
+
+
+def batch_context(app: Celery) -> BatchContext:
+    """Per process and app: the settings the app was made with (embedded runs), else the environment's."""
+    with _batch_lock:
+        ctx = _batch_contexts.get(id(app))
+        if ctx is None:
+            settings = app_settings(app) or get_settings()
+            ctx = _batch_contexts[id(app)] = BatchContext(settings, get_database(settings.database_url),
+                                                          make_store(settings))
+        return ctx
+
+
+def _backoff(task: Task, base: float) -> float:
+    return min(base * (2 ** max(0, task.request.retries)), 300.0)
 
 
 def register_tasks(app: Celery) -> None:
+    # Tasks use this `app`, not `self.app`: in a worker thread that did not make the app current (the
+    # embedded worker), Celery resolves `self.app` to its unconfigured default app.
     @app.task(name=TASK_RUN_JOB, bind=True, acks_late=True, max_retries=None)
     def run_job(self: Task, job_id: str) -> str:
         ctx = get_context()
@@ -17,7 +71,82 @@ def register_tasks(app: Celery) -> None:
         except Exception as exc:
             # SQL unreachable before the job was even claimed: the row is still queued, so deliver again later.
             raise self.retry(exc=exc, countdown=ctx.settings.retry_backoff_seconds, max_retries=20) from exc
+        if not outcome.retry and outcome.status != "skipped":
+            _after_job(app, ctx.db, ctx.settings, job_id)
         if outcome.retry:
-            backoff = ctx.settings.retry_backoff_seconds * (2 ** max(0, self.request.retries))
-            raise self.retry(countdown=min(backoff, 300))
+            raise self.retry(countdown=_backoff(self, ctx.settings.retry_backoff_seconds))
         return outcome.status
+
+    @app.task(name=TASK_INGEST_BATCH, bind=True, acks_late=True, max_retries=BATCH_TASK_RETRIES)
+    def ingest_batch(self: Task, batch_id: str) -> str:
+        from worker.ingest import IngestDeps
+        from worker.ingest import ingest_batch as ingest
+
+        ctx = batch_context(app)
+
+        def dispatch(model_settings: Settings, job_ids: list[str], priority: int) -> None:
+            send_run_jobs(app, model_settings, job_ids, priority)
+
+        try:
+            status = ingest(batch_id, IngestDeps(ctx.settings, ctx.db, ctx.store, dispatch))
+        except Exception as exc:
+            # SQL, storage or broker trouble: committed chunks stay, the retry resumes after them.
+            log.exception("batch %s: ingestion failed (attempt %d)", batch_id, self.request.retries + 1)
+            raise self.retry(exc=exc, countdown=_backoff(self, 2.0)) from exc
+        # Its jobs may all have ended while later chunks were read; a cancelled ingestion ends here too.
+        send_finalize_batch(app, ctx.settings, batch_id)
+        return status
+
+    @app.task(name=TASK_FINALIZE_BATCH, bind=True, acks_late=True, max_retries=BATCH_TASK_RETRIES)
+    def finalize_batch(self: Task, batch_id: str) -> str:
+        from worker.finalize import finalize_batch as finalize
+
+        ctx = batch_context(app)
+        try:
+            return finalize(batch_id, ctx.db, ctx.store)
+        except Exception as exc:
+            log.exception("batch %s: finalization failed", batch_id)
+            raise self.retry(exc=exc, countdown=_backoff(self, 2.0)) from exc
+
+    @app.task(name=TASK_CANCEL_BATCH, bind=True, acks_late=True, max_retries=BATCH_TASK_RETRIES)
+    def cancel_batch(self: Task, batch_id: str) -> str:
+        from worker.finalize import cancel_batch_jobs
+        from worker.finalize import finalize_batch as finalize
+
+        ctx = batch_context(app)
+        try:
+            cancelled = cancel_batch_jobs(batch_id, ctx.db)
+            log.info("batch %s: %d queued jobs cancelled", batch_id, cancelled)
+            return finalize(batch_id, ctx.db, ctx.store)
+        except Exception as exc:
+            raise self.retry(exc=exc, countdown=_backoff(self, 2.0)) from exc
+
+    @app.task(name=TASK_SWEEP_BATCHES, bind=True, acks_late=True)
+    def sweep_batches(self: Task) -> int:
+        """Periodic (beat): expire batches past their window, and finalize those a trigger missed."""
+        from worker.finalize import due_batches, expire_batch, expire_due
+
+        ctx = batch_context(app)
+        for batch_id in expire_due(ctx.db):
+            log.info("batch %s expired: %d open jobs cancelled", batch_id, expire_batch(batch_id, ctx.db))
+        due = due_batches(ctx.db)
+        for batch_id in due:
+            send_finalize_batch(app, ctx.settings, batch_id)
+        return len(due)
+
+
+def _after_job(app: Celery, db: Database, settings: Settings, job_id: str) -> None:
+    """Send finalize_batch when this job was the last open one of its batch.
+
+    Checked here, right after each job ends, rather than only by a periodic sweep: a batch completes as
+    soon as its last job does, and the check is one indexed query. A job that ends elsewhere (reaped to
+    `dead`) is caught by the sweep task. Several last jobs ending together may each send it; finalization
+    is idempotent."""
+    try:
+        with db.session() as session:
+            batch_id = batches.ready_after_job(session, job_id)
+        if batch_id is not None:
+            send_finalize_batch(app, settings, batch_id)
+    except Exception:
+        # The job's own outcome is already persisted; the sweep finalizes the batch later.
+        log.exception("finalize check after job %s failed", job_id)

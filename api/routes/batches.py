@@ -1,0 +1,142 @@
+"""OpenAI Batches API: create a batch from an uploaded file, read it, list, cancel.
+
+The API only writes the batch row and sends tasks by name: ingestion, cancellation and finalization run on
+the ingest queue.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import APIRouter, HTTPException, Query
+from pydantic import BaseModel, ConfigDict
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from api.deps import AppState, SessionDep, StateDep
+from api.routes.files import list_page
+from common import batches
+from common.batch_input import CHAT_URL
+from common.models import Batch, BatchStatus, FileRecord
+from common.queue import send_cancel_batch, send_ingest_batch
+from common.submission import SubmissionError, resolve_model
+
+log = logging.getLogger(__name__)
+router = APIRouter(prefix="/v1/batches", tags=["batches"])
+
+MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
+
+
+class BatchCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    input_file_id: str
+    endpoint: str
+    completion_window: str
+    metadata: dict[str, str] | None = None
+    # Accepted for compatibility; vlmq keeps batch outputs until they are deleted.
+    output_expires_after: dict[str, Any] | None = None
+    # vlmq extension (openai client: extra_body): a zip or tar of images that input lines name by relative
+    # path, e.g. {"type": "image_url", "image_url": {"url": "images/cat.png"}}; CSV input files need one too.
+    images_file_id: str | None = None
+
+
+def _check(body: BatchCreate) -> None:
+    if body.endpoint != CHAT_URL:
+        raise SubmissionError(f"endpoint {body.endpoint!r} is not supported: vlmq batches run {CHAT_URL} only")
+    if body.completion_window not in batches.COMPLETION_WINDOWS:
+        raise SubmissionError(f"completion_window {body.completion_window!r} is not supported: use "
+                              + " or ".join(repr(w) for w in batches.COMPLETION_WINDOWS))
+    metadata = body.metadata or {}
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise SubmissionError(f"metadata may hold at most {MAX_METADATA_PAIRS} key-value pairs")
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY or len(value) > MAX_METADATA_VALUE:
+            raise SubmissionError(f"metadata keys are limited to {MAX_METADATA_KEY} characters and values to "
+                                  f"{MAX_METADATA_VALUE} (key {key[:80]!r})")
+
+
+def _get(session: Session, batch_id: str) -> Batch:
+    batch = session.get(Batch, batch_id)
+    if batch is None:
+        raise HTTPException(404, f"no such batch: {batch_id!r}")
+    return batch
+
+
+def _input_file(session: Session, file_id: str, param: str) -> FileRecord:
+    record = session.get(FileRecord, file_id)
+    if record is None:
+        raise SubmissionError(f"{param} {file_id!r}: no such file (upload it with POST /v1/files, "
+                              "purpose='batch')", 404, "not_found")
+    if record.purpose != "batch":
+        raise SubmissionError(f"file {record.id!r} has purpose {record.purpose!r}; a batch input needs purpose "
+                              "'batch'")
+    return record
+
+
+def create(state: AppState, body: BatchCreate) -> dict[str, Any]:
+    """Check the request, write the batch row, send its ingestion; the new batch object."""
+    _check(body)
+    model = resolve_model(None, state.settings)  # 503 when this deployment serves no model
+    with state.db.session() as session:
+        record = _input_file(session, body.input_file_id, "input_file_id")
+        if body.images_file_id is not None:
+            _input_file(session, body.images_file_id, "images_file_id")
+        batch = batches.create_batch(session, input_file_id=record.id, endpoint=body.endpoint,
+                                     completion_window=body.completion_window, model=model,
+                                     metadata=body.metadata, images_file_id=body.images_file_id)
+        batch_id = batch.id
+    try:
+        send_ingest_batch(state.celery, state.settings, batch_id)
+    except Exception:
+        # Nothing would ever ingest it: end it as failed now rather than leave it validating forever.
+        log.exception("could not dispatch ingestion of batch %s", batch_id)
+        with state.db.session() as session:
+            batches.fail(session, batch_id, [{"code": "dispatch_failed", "line": None, "param": None,
+                                              "message": "the task queue is unavailable; create the batch again"}])
+        raise HTTPException(503, "the task queue is unavailable; retry shortly",
+                            headers={"Retry-After": "5"}) from None
+    with state.db.session() as session:
+        return batches.batch_view(session, _get(session, batch_id))
+
+
+@router.post("")
+def create_batch(body: BatchCreate, state: StateDep) -> dict[str, Any]:
+    return create(state, body)
+
+
+@router.get("")
+def list_batches(
+    session: SessionDep,
+    limit: int = Query(default=20, ge=1, le=100),
+    after: str | None = Query(default=None, description="Cursor: the last_id of the previous page."),
+) -> dict[str, Any]:
+    stmt = select(Batch).order_by(Batch.id.desc()).limit(limit + 1)  # ids are time-ordered: newest first
+    if after:
+        stmt = stmt.where(Batch.id < after)
+    return list_page(list(session.scalars(stmt)), limit, lambda b: batches.batch_view(session, b))
+
+
+@router.get("/{batch_id}")
+def retrieve_batch(batch_id: str, session: SessionDep) -> dict[str, Any]:
+    return batches.batch_view(session, _get(session, batch_id))
+
+
+@router.post("/{batch_id}/cancel")
+def cancel_batch(batch_id: str, state: StateDep) -> dict[str, Any]:
+    """Queued requests are cancelled, running ones finish; the batch ends `cancelled` with files for what
+    finished."""
+    with state.db.session() as session:
+        batch = _get(session, batch_id)
+        if not batches.request_cancel(session, batch_id):
+            session.refresh(batch)
+            if batch.status not in (BatchStatus.CANCELLING, BatchStatus.CANCELLED):
+                raise HTTPException(409, f"batch {batch_id!r} is {batch.status} and can no longer be cancelled")
+            return batches.batch_view(session, batch)
+    try:
+        send_cancel_batch(state.celery, state.settings, batch_id)
+    except Exception:
+        # The batch is `cancelling` in SQL; the next finalize trigger or the sweep still ends it.
+        log.exception("could not dispatch cancellation of batch %s", batch_id)
+    with state.db.session() as session:
+        return batches.batch_view(session, _get(session, batch_id))

@@ -1,0 +1,83 @@
+"""Native datasets in one request: a manifest (JSONL or CSV) and a zip or tar of the images it names by path.
+
+The same batch as POST /v1/files (twice) + POST /v1/batches with images_file_id: both files are streamed to
+object storage, become files rows, and the batch object is answered.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import APIRouter, HTTPException, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+
+from api.deps import AppState, StateDep
+from api.routes.batches import BatchCreate, create
+from api.routes.files import add_uploaded, content_type
+from api.upload import receive_upload
+from common.batch_input import CHAT_URL
+from common.files import file_key
+from common.models import FileRecord, new_file_id
+from common.submission import SubmissionError
+
+router = APIRouter(prefix="/v1/datasets", tags=["batches"])
+
+_DOC = {
+    "requestBody": {
+        "required": True,
+        "content": {"multipart/form-data": {"schema": {
+            "type": "object", "required": ["manifest"],
+            "properties": {
+                "manifest": {"type": "string", "format": "binary",
+                             "description": "OpenAI batch JSONL, or CSV (prompt, image, custom_id, system, "
+                                            "max_tokens, temperature, top_p, seed); images named by path"},
+                "images": {"type": "string", "format": "binary", "description": "zip or tar(.gz) of the images"},
+                "completion_window": {"type": "string", "enum": ["24h"]},
+                "metadata": {"type": "string", "description": "a JSON object of string values"},
+            },
+        }}},
+    }
+}
+
+
+def _discard(state: AppState, file_ids: list[str]) -> None:
+    with state.db.session() as session:
+        for file_id in file_ids:
+            record = session.get(FileRecord, file_id)
+            if record is not None:
+                session.delete(record)
+    for file_id in file_ids:
+        state.store.delete(file_key(file_id))
+
+
+def _body(fields: dict[str, str], manifest_id: str, images_id: str | None) -> BatchCreate:
+    try:
+        metadata = json.loads(fields["metadata"]) if fields.get("metadata") else None
+        return BatchCreate(input_file_id=manifest_id, endpoint=CHAT_URL, metadata=metadata,
+                           completion_window=fields.get("completion_window") or "24h", images_file_id=images_id)
+    except (json.JSONDecodeError, ValidationError):
+        raise SubmissionError("multipart field 'metadata' must be a JSON object of string values") from None
+
+
+@router.post("", openapi_extra=_DOC)
+async def create_dataset_batch(request: Request, state: StateDep) -> JSONResponse:
+    if content_type(request) != "multipart/form-data":
+        raise HTTPException(415, "send multipart/form-data with a 'manifest' file and an 'images' archive")
+    ids = {"manifest": new_file_id(), "images": new_file_id()}
+    upload = await receive_upload(request, state.store, {name: file_key(i) for name, i in ids.items()},
+                                  state.settings.max_file_bytes)
+    received = [ids[name] for name in upload.files]
+    try:
+        if "manifest" not in upload.files:
+            raise SubmissionError("multipart field 'manifest' (the JSONL or CSV file) is required")
+        body = _body(upload.fields, ids["manifest"], ids["images"] if "images" in upload.files else None)
+        for name, uploaded in upload.files.items():
+            await run_in_threadpool(add_uploaded, state, ids[name], uploaded)
+        view: dict[str, Any] = await run_in_threadpool(create, state, body)
+    except BaseException:
+        await run_in_threadpool(_discard, state, received)
+        raise
+    return JSONResponse(view)

@@ -1,0 +1,129 @@
+"""OpenAI Files API: upload a batch input file (streamed to object storage), list, read, download, delete."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from fastapi import APIRouter, HTTPException, Query, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse, StreamingResponse
+from sqlalchemy import or_, select
+from sqlalchemy.orm import Session
+
+from api.deps import AppState, SessionDep, StateDep
+from api.upload import UploadedFile, receive_upload
+from common.files import add_file, file_key, file_view, open_reader
+from common.models import Batch, BatchStatus, FileRecord, new_file_id
+from common.storage import ObjectNotFound
+from common.submission import SubmissionError
+
+router = APIRouter(prefix="/v1/files", tags=["files"])
+
+_UPLOAD_DOC = {
+    "requestBody": {
+        "required": True,
+        "content": {"multipart/form-data": {"schema": {
+            "type": "object", "required": ["file", "purpose"],
+            "properties": {"file": {"type": "string", "format": "binary"},
+                           "purpose": {"type": "string", "enum": ["batch"]}},
+        }}},
+    }
+}
+
+
+def list_page(items: Sequence[Any], limit: int, view: Any) -> dict[str, Any]:
+    """OpenAI's cursor list: `items` holds up to limit + 1 rows, the extra one only says there is more."""
+    page = list(items[:limit])
+    return {"object": "list", "data": [view(row) for row in page], "first_id": page[0].id if page else None,
+            "last_id": page[-1].id if page else None, "has_more": len(items) > limit}
+
+
+def get_file(session: Session, file_id: str) -> FileRecord:
+    record = session.get(FileRecord, file_id)
+    if record is None:
+        raise HTTPException(404, f"no such file: {file_id!r}")
+    return record
+
+
+def add_uploaded(state: AppState, file_id: str, uploaded: UploadedFile) -> dict[str, Any]:
+    with state.db.session() as session:
+        return file_view(add_file(session, file_id=file_id, key=uploaded.key, size=uploaded.size,
+                                  filename=uploaded.filename, purpose="batch"))
+
+
+def content_type(request: Request) -> str:
+    return request.headers.get("content-type", "").split(";")[0].strip().lower()
+
+
+@router.post("", openapi_extra=_UPLOAD_DOC)
+async def create_file(request: Request, state: StateDep) -> JSONResponse:
+    """Multipart `file` + `purpose=batch`. The file is streamed to object storage as it arrives."""
+    if content_type(request) != "multipart/form-data":
+        raise HTTPException(415, f"unsupported content type {content_type(request) or '(none)'!r}: upload the file "
+                                 "as multipart/form-data with fields 'file' and 'purpose'")
+    file_id = new_file_id()
+    upload = await receive_upload(request, state.store, {"file": file_key(file_id)}, state.settings.max_file_bytes)
+    purpose = upload.fields.get("purpose")
+    problem = ("multipart field 'file' (the file) is required" if "file" not in upload.files
+               else "multipart field 'purpose' is required (vlmq accepts purpose='batch')" if purpose is None
+               else f"purpose {purpose!r} is not supported: vlmq stores batch input files and image archives "
+                    "only (purpose='batch')" if purpose != "batch" else None)
+    if problem is not None:
+        if "file" in upload.files:
+            await run_in_threadpool(state.store.delete, file_key(file_id))
+        raise SubmissionError(problem)
+    return JSONResponse(await run_in_threadpool(add_uploaded, state, file_id, upload.files["file"]))
+
+
+@router.get("")
+def list_files(
+    session: SessionDep,
+    purpose: str | None = None,
+    limit: int = Query(default=10000, ge=1, le=10000),
+    order: Literal["asc", "desc"] = "desc",
+    after: str | None = Query(default=None, description="Cursor: the last_id of the previous page."),
+) -> dict[str, Any]:
+    # Ids are time-ordered, so ordering by id is ordering by created_at.
+    stmt = select(FileRecord).order_by(FileRecord.id.desc() if order == "desc" else FileRecord.id).limit(limit + 1)
+    if purpose is not None:
+        stmt = stmt.where(FileRecord.purpose == purpose)
+    if after:
+        stmt = stmt.where(FileRecord.id < after if order == "desc" else FileRecord.id > after)
+    return list_page(list(session.scalars(stmt)), limit, file_view)
+
+
+@router.get("/{file_id}")
+def retrieve_file(file_id: str, session: SessionDep) -> dict[str, Any]:
+    return file_view(get_file(session, file_id))
+
+
+@router.get("/{file_id}/content")
+def file_content(file_id: str, session: SessionDep, state: StateDep) -> StreamingResponse:
+    """The file's bytes, streamed from object storage."""
+    record = get_file(session, file_id)
+    try:
+        chunks = open_reader(state.store, record.object_key)
+    except ObjectNotFound:
+        raise HTTPException(404, f"the content of file {file_id!r} is missing from storage") from None
+    safe_name = record.filename.encode("ascii", "ignore").decode().replace('"', "") or file_id
+    return StreamingResponse(chunks, media_type="application/octet-stream", headers={
+        "Content-Length": str(record.size_bytes), "Content-Disposition": f'attachment; filename="{safe_name}"',
+    })
+
+
+@router.delete("/{file_id}")
+def delete_file(file_id: str, state: StateDep) -> dict[str, Any]:
+    with state.db.session() as session:
+        record = get_file(session, file_id)
+        busy = session.scalar(select(Batch.id).where(or_(Batch.input_file_id == file_id,
+                                                         Batch.images_file_id == file_id),
+                                                     Batch.status == BatchStatus.VALIDATING).limit(1))
+        if busy is not None:
+            raise HTTPException(409, f"file {file_id!r} is being ingested by batch {busy!r}; delete it once "
+                                     "that batch has left 'validating'")
+        key = record.object_key
+        session.delete(record)
+    # The row goes first: a crash here leaves an unreferenced object, never a file whose content is gone.
+    state.store.delete(key)
+    return {"id": file_id, "object": "file", "deleted": True}

@@ -1,0 +1,162 @@
+"""Native datasets (manifest + image archive) through ingestion, on Postgres and the S3 server, no model."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import tarfile
+import zipfile
+from typing import Any
+
+import pytest
+
+from common.db import Database, get_database
+from common.files import add_file, file_key
+from common.models import Batch, new_file_id
+from common.settings import Settings
+from common.storage import ObjectStore, make_store
+from tests.api.test_jobs_api import png_bytes
+from tests.worker.test_ingest import MODEL, Recorder, batch_jobs, get_batch, line_errors
+from worker.dataset import iter_csv_lines, normalize_path
+from worker.ingest import IngestDeps, ingest_batch
+
+RED, GREEN = png_bytes((200, 0, 0), (8, 6)), png_bytes((0, 200, 0), (6, 8))
+
+
+@pytest.fixture(scope="module")
+def settings(service_env: dict[str, str]) -> Settings:
+    env = {k.removeprefix("VLMQ_").lower(): v for k, v in service_env.items()}
+    return Settings(**env, model=f"/models/{MODEL}", ingest_chunk_rows=2)
+
+
+@pytest.fixture(scope="module")
+def db(settings: Settings) -> Database:
+    return get_database(settings.database_url)
+
+
+@pytest.fixture(scope="module")
+def store(settings: Settings) -> ObjectStore:
+    return make_store(settings)
+
+
+def upload(db: Database, store: ObjectStore, data: bytes, filename: str) -> str:
+    file_id = new_file_id()
+    store.put(file_key(file_id), data)
+    with db.session() as session:
+        add_file(session, file_id=file_id, key=file_key(file_id), size=len(data), filename=filename, purpose="batch")
+    return file_id
+
+
+def dataset_batch(db: Database, store: ObjectStore, manifest: bytes, manifest_name: str, archive: bytes) -> str:
+    from common import batches
+
+    input_id = upload(db, store, manifest, manifest_name)
+    images_id = upload(db, store, archive, "images.bin")
+    with db.session() as session:
+        return batches.create_batch(session, input_file_id=input_id, endpoint="/v1/chat/completions",
+                                    completion_window="24h", model=MODEL, metadata=None,
+                                    images_file_id=images_id).id
+
+
+def zip_bytes(members: dict[str, bytes]) -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as zf:
+        for name, data in members.items():
+            zf.writestr(name, data)
+    return buf.getvalue()
+
+
+def tar_gz_bytes(members: dict[str, bytes]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tf:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def path_line(custom_id: str, *paths: str) -> str:
+    content: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": p}} for p in paths]
+    content.append({"type": "text", "text": "what is it"})
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+                       "body": {"messages": [{"role": "user", "content": content}], "max_tokens": 2}})
+
+
+def image_ids(db: Database, batch_id: str) -> dict[str, list[str]]:
+    return {j.custom_id or "": [p["image_id"] for m in j.request["messages"] for p in m["content"]
+                                if p["type"] == "image"] for j in batch_jobs(db, batch_id)}
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def test_paths_have_one_spelling() -> None:
+    assert normalize_path("./a\\b//c.png") == "a/b/c.png"
+    assert normalize_path("/abs/x.png") == "abs/x.png"
+    assert normalize_path("a/../../etc/passwd") is None
+    assert normalize_path("cafe\u0301.png") == "caf\u00e9.png"  # NFD (macOS) == NFC
+
+
+def test_zip_with_a_top_folder_and_jsonl_paths(settings: Settings, db: Database, store: ObjectStore) -> None:
+    archive = zip_bytes({
+        "ds/": b"", "ds/images/red.png": RED, "ds/images/green.png": GREEN, "ds/images/red-again.png": RED,
+        "ds/images/broken.png": RED[:40], "ds/notes.txt": b"not an image", "__MACOSX/ds/._red.png": b"junk",
+    })
+    manifest = "\n".join([
+        path_line("a", "images/red.png"), path_line("b", "ds/images/green.png", "./images/red-again.png"),
+        path_line("c", "images/missing.png"), path_line("d", "images/broken.png"), path_line("e", "notes.txt"),
+    ]).encode()
+    batch_id = dataset_batch(db, store, manifest, "manifest.jsonl", archive)
+    assert ingest_batch(batch_id, IngestDeps(settings, db, store, Recorder())) == "in_progress"
+    assert image_ids(db, batch_id) == {"a": [sha(RED)], "b": [sha(GREEN), sha(RED)]}
+    errors = {cid: code for _, cid, code in line_errors(db, batch_id)}
+    assert errors == {"c": "image_not_found", "d": "invalid_image", "e": "invalid_image"}
+    batch = get_batch(db, batch_id)
+    assert batch.images_root == "ds" and batch.images_indexed_at is not None
+    assert store.exists(f"images/{sha(GREEN)}")
+
+
+def test_tar_gz_with_a_csv_manifest(settings: Settings, db: Database, store: ObjectStore) -> None:
+    archive = tar_gz_bytes({"red.png": RED, "sub/green.png": GREEN})
+    manifest = (
+        b"custom_id,image,prompt,max_tokens,system\r\n"
+        b'one,red.png,"a prompt, with a comma\nand a new line",3,\r\n'
+        b"two,red.png|sub/green.png,two images,,be brief\r\n"
+        b",sub/green.png,no custom id,2,\r\n"
+        b"bad,red.png,too many,1,,extra\r\n"
+        b"worse,red.png,bad number,x,\r\n"
+    )
+    batch_id = dataset_batch(db, store, manifest, "rows.CSV", archive)
+    assert ingest_batch(batch_id, IngestDeps(settings, db, store, Recorder())) == "in_progress"
+    assert image_ids(db, batch_id) == {"one": [sha(RED)], "two": [sha(RED), sha(GREEN)], "line-5": [sha(GREEN)]}
+    jobs = {j.custom_id: j for j in batch_jobs(db, batch_id)}
+    assert jobs["one"].request["messages"][0]["content"][1]["text"] == "a prompt, with a comma\nand a new line"
+    assert jobs["one"].request["sampling"]["max_tokens"] == 3
+    assert jobs["two"].request["messages"][0] == {"role": "system", "content": [{"type": "text", "text": "be brief"}]}
+    assert [(n, code) for n, _, code in line_errors(db, batch_id)] == [(6, "invalid_csv"), (7, "invalid_request")]
+
+
+@pytest.mark.parametrize(("manifest", "name", "archive", "code"), [
+    (path_line("a", "red.png").encode(), "m.jsonl", b"this is no archive at all" * 40, "invalid_archive"),
+    (b"prompt,colour\nhi,red\n", "m.csv", zip_bytes({"red.png": RED}), "invalid_manifest"),
+])
+def test_unusable_datasets_fail(settings: Settings, db: Database, store: ObjectStore, manifest: bytes, name: str,
+                                archive: bytes, code: str) -> None:
+    batch_id = dataset_batch(db, store, manifest, name, archive)
+    assert ingest_batch(batch_id, IngestDeps(settings, db, store, Recorder())) == "failed"
+    batch: Batch = get_batch(db, batch_id)
+    assert batch.errors and batch.errors[0]["code"] == code and batch.errors[0]["message"]
+
+
+def test_csv_lines_are_openai_lines() -> None:
+    data = b"\xef\xbb\xbfprompt,image\nhello,a.png\n\n\xff\xfe,x\nlast,b.png"
+    for size in (5, len(data)):
+        got = list(iter_csv_lines([data[i:i + size] for i in range(0, len(data), size)], 10_000))
+        assert [(n, item if isinstance(item, str) else item.code) for n, item in got][1:] == [
+            (4, "invalid_utf8"), (5, got[2][1])]
+        assert json.loads(got[0][1])["body"]["messages"][0]["content"] == [  # type: ignore[arg-type]
+            {"type": "image_url", "image_url": {"url": "a.png"}}, {"type": "text", "text": "hello"}]
+        assert got[0][0] == 2 and json.loads(got[2][1])["custom_id"] == "line-5"  # type: ignore[arg-type]

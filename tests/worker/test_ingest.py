@@ -1,0 +1,336 @@
+"""Batch ingestion, cancellation and finalization on Postgres and the S3 server, without a model or broker.
+
+Jobs are driven through common.jobs (the state machine a worker uses); dispatch is a callback recording the
+job ids a chunk sent, so a test can fail it to play a crash between commit and dispatch.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import func, select
+
+from common import batches, jobs
+from common.batch_input import iter_lines
+from common.db import Database, get_database
+from common.files import add_file, file_key, open_reader
+from common.migrate import upgrade
+from common.models import Batch, BatchLineError, FileRecord, Job, new_file_id
+from common.settings import Settings
+from common.storage import ObjectStore, make_store, result_key
+from common.views import chat_completion
+from tests.api.test_jobs_api import data_url, png_bytes
+from worker.finalize import cancel_batch_jobs, due_batches, expire_batch, expire_due, finalize_batch
+from worker.ingest import IngestDeps, ingest_batch
+
+MODEL = "tiny-ingest"
+
+
+@pytest.fixture(scope="module")
+def settings(service_env: dict[str, str]) -> Settings:
+    env = {k.removeprefix("VLMQ_").lower(): v for k, v in service_env.items()}
+    return Settings(**env, model=f"/models/{MODEL}", ingest_chunk_rows=3, max_body_bytes=64 * 1024)
+
+
+@pytest.fixture(scope="module")
+def db(settings: Settings) -> Database:
+    return get_database(settings.database_url)
+
+
+@pytest.fixture(scope="module")
+def store(settings: Settings) -> ObjectStore:
+    return make_store(settings)
+
+
+class Recorder:
+    def __init__(self, fail_on_call: int | None = None, hook: Callable[[int], None] | None = None) -> None:
+        self.sent: list[str] = []
+        self.calls = 0
+        self.fail_on_call, self.hook = fail_on_call, hook
+
+    def __call__(self, model_settings: Settings, job_ids: list[str], priority: int) -> None:
+        self.calls += 1
+        assert model_settings.job_queue == f"jobs.{MODEL}" and priority == 2
+        if self.calls == self.fail_on_call:
+            raise ConnectionError("broker went away")
+        self.sent += job_ids
+        if self.hook is not None:
+            self.hook(self.calls)
+
+
+def line(custom_id: str, text: str = "hi", image: bytes | None = None, **body: Any) -> str:
+    content: list[dict[str, Any]] = [{"type": "text", "text": text}]
+    if image is not None:
+        content.insert(0, {"type": "image_url", "image_url": {"url": data_url(image)}})
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+                       "body": {"model": MODEL, "messages": [{"role": "user", "content": content}],
+                                "max_tokens": 3, **body}})
+
+
+def make_batch(db: Database, store: ObjectStore, data: bytes) -> str:
+    file_id = new_file_id()
+    store.put(file_key(file_id), data)
+    with db.session() as session:
+        add_file(session, file_id=file_id, key=file_key(file_id), size=len(data), filename="in.jsonl",
+                 purpose="batch")
+        return batches.create_batch(session, input_file_id=file_id, endpoint="/v1/chat/completions",
+                                    completion_window="24h", model=MODEL, metadata=None).id
+
+
+def get_batch(db: Database, batch_id: str) -> Batch:
+    with db.session() as session:
+        batch = session.get(Batch, batch_id)
+        assert batch is not None
+        return batch
+
+
+def line_errors(db: Database, batch_id: str) -> list[tuple[int, str | None, str]]:
+    with db.session() as session:
+        rows = session.scalars(select(BatchLineError).where(BatchLineError.batch_id == batch_id)
+                               .order_by(BatchLineError.line))
+        return [(e.line, e.custom_id, e.code) for e in rows]
+
+
+def batch_jobs(db: Database, batch_id: str) -> list[Job]:
+    with db.session() as session:
+        return list(session.scalars(select(Job).where(Job.batch_id == batch_id).order_by(Job.id)))
+
+
+def test_iter_lines_is_bounded_and_exact() -> None:
+    data = b"\xef\xbb\xbf{\"a\": 1}\r\n\n   \n" + b"x" * 50 + b"\n\xff\xfe\nlast"
+    for piece in (1, 7, len(data)):  # chunk boundaries anywhere
+        chunks = [data[i:i + piece] for i in range(0, len(data), piece)]
+        got = [(n, item if isinstance(item, str) else item.code) for n, item in iter_lines(chunks, 20)]
+        assert got == [(1, '{"a": 1}'), (4, "line_too_long"), (5, "invalid_utf8"), (6, "last")]
+
+
+def test_ingest_checks_every_line_in_chunks(settings: Settings, db: Database, store: ObjectStore) -> None:
+    red, blue = png_bytes((250, 1, 1), (9, 7)), png_bytes((1, 1, 250), (7, 9))
+    lines = [
+        line("a", image=red), line("b", image=blue), line("c", image=red),  # chunk 1: two distinct images
+        "{not json", line("d", image=blue), line("a", text="dup of chunk 1"),  # chunk 2
+        "", line("e", image=b"junk"), line("e"),  # bad image, then its custom_id again
+        line("f", model="gpt-7"), json.dumps({"custom_id": "g", "url": "/v1/embeddings", "body": {}}),
+        line("h"), line("h"),  # duplicate inside one chunk
+    ]
+    batch_id = make_batch(db, store, ("\n".join(lines) + "\n").encode())
+    sent = Recorder()
+    status = ingest_batch(batch_id, IngestDeps(settings, db, store, sent))
+    assert status == "in_progress"
+    batch = get_batch(db, batch_id)
+    assert (batch.total_requests, batch.refused_requests, batch.ingested_lines) == (12, 7, 13)
+    assert line_errors(db, batch_id) == [
+        (4, None, "invalid_json"), (6, "a", "duplicate_custom_id"), (8, "e", "invalid_image"),
+        (9, "e", "duplicate_custom_id"), (10, "f", "model_not_found"), (11, "g", "invalid_url"),
+        (13, "h", "duplicate_custom_id"),
+    ]
+    created = batch_jobs(db, batch_id)
+    assert sorted(j.custom_id or "" for j in created) == ["a", "b", "c", "d", "h"]
+    assert all(j.status == "queued" and j.priority == settings.batch_priority and j.model == MODEL for j in created)
+    assert sorted(sent.sent) == sorted(j.id for j in created) and sent.calls == 3  # chunks with jobs
+    image_ids = {p["image_id"] for j in created for m in j.request["messages"] for p in m["content"]
+                 if p["type"] == "image"}
+    assert len(image_ids) == 2 and all(store.exists(f"images/{i}") for i in image_ids)
+    # A duplicate delivery of the task changes nothing.
+    assert ingest_batch(batch_id, IngestDeps(settings, db, store, Recorder())) == "in_progress"
+    assert len(batch_jobs(db, batch_id)) == 5
+
+
+def test_ingest_resumes_after_a_crash_without_duplicates(settings: Settings, db: Database,
+                                                         store: ObjectStore) -> None:
+    data = ("\n".join(line(f"r{i}") for i in range(8)) + "\n{bad\n").encode()
+    batch_id = make_batch(db, store, data)
+    with pytest.raises(ConnectionError):  # chunk 2 committed, then its dispatch failed
+        ingest_batch(batch_id, IngestDeps(settings, db, store, Recorder(fail_on_call=2)))
+    batch = get_batch(db, batch_id)
+    assert batch.status == "validating" and batch.ingested_lines == 6
+    again = Recorder()
+    assert ingest_batch(batch_id, IngestDeps(settings, db, store, again)) == "in_progress"
+    created = batch_jobs(db, batch_id)
+    assert sorted(j.custom_id or "" for j in created) == [f"r{i}" for i in range(8)]
+    assert line_errors(db, batch_id) == [(9, None, "invalid_json")]
+    # The queued jobs of the committed chunks were sent again (duplicates are dropped by the claim).
+    assert set(again.sent) == {j.id for j in created}
+    assert get_batch(db, batch_id).total_requests == 9
+
+
+def test_a_second_ingester_stops_when_the_first_moves_on(settings: Settings, db: Database,
+                                                         store: ObjectStore) -> None:
+    batch_id = make_batch(db, store, ("\n".join(line(f"s{i}") for i in range(7)) + "\n").encode())
+
+    def other_ingester_moves(calls: int) -> None:
+        with db.session() as session:
+            session.get(Batch, batch_id).ingested_lines = 5  # type: ignore[union-attr]
+
+    status = ingest_batch(batch_id, IngestDeps(settings, db, store, Recorder(hook=other_ingester_moves)))
+    assert status == "validating"
+    assert len(batch_jobs(db, batch_id)) == 3 and not line_errors(db, batch_id)
+
+
+@pytest.mark.parametrize(("content", "code"), [
+    (b"{nope\n[1]\n" + line("x", max_tokens=0).encode() + b"\n", "invalid_json"),
+    (b"\n\n", "empty_file"),
+    (None, "file_unreadable"),
+])
+def test_batches_that_cannot_run_fail_with_errors(settings: Settings, db: Database, store: ObjectStore,
+                                                  content: bytes | None, code: str) -> None:
+    batch_id = make_batch(db, store, content or b"x")
+    if content is None:
+        with db.session() as session:
+            store.delete(session.get(FileRecord, get_batch(db, batch_id).input_file_id).object_key)  # type: ignore[union-attr]
+    assert ingest_batch(batch_id, IngestDeps(settings, db, store, Recorder())) == "failed"
+    batch = get_batch(db, batch_id)
+    assert batch.failed_at is not None and batch.errors and batch.errors[0]["code"] == code
+    if code == "invalid_json":
+        assert [(e["line"], e["code"]) for e in batch.errors] == [(1, "invalid_json"), (2, "invalid_line"),
+                                                                 (3, "invalid_request")]
+        assert "max_tokens" in batch.errors[2]["message"]
+
+
+def _finish(db: Database, store: ObjectStore, job: Job, text: str) -> None:
+    body = chat_completion(job.id, job.model, 0, text, "stop", 5, 2)
+    store.put(result_key(job.id), json.dumps(body).encode())
+    with db.session() as session:
+        assert jobs.claim(session, job.id, "w", 60)
+        assert jobs.finish(session, job.id, "w", jobs.JobResult(result_key(job.id), text, "stop", 5, 2))
+
+
+def _read_jsonl(store: ObjectStore, db: Database, file_id: str) -> list[dict[str, Any]]:
+    with db.session() as session:
+        key = session.get(FileRecord, file_id).object_key  # type: ignore[union-attr]
+    return [json.loads(x) for x in b"".join(open_reader(store, key)).decode().splitlines()]
+
+
+def test_finalize_writes_openai_files_once(settings: Settings, db: Database, store: ObjectStore) -> None:
+    data = "\n".join([line("ok1"), line("ok2"), line("bad-at-worker"), line("dies"), "{x"]).encode()
+    batch_id = make_batch(db, store, data)
+    ingest_batch(batch_id, IngestDeps(settings, db, store, Recorder()))
+    by_cid = {j.custom_id: j for j in batch_jobs(db, batch_id)}
+    _finish(db, store, by_cid["ok1"], "one")
+    with db.session() as session:
+        assert jobs.claim(session, by_cid["bad-at-worker"].id, "w", 60)
+        assert jobs.fail(session, by_cid["bad-at-worker"].id, "w", "invalid_input", "image count mismatch")
+        session.get(Job, by_cid["dies"].id).max_attempts = 1  # type: ignore[union-attr]
+    with db.session() as session:
+        assert jobs.claim(session, by_cid["dies"].id, "w", 60)
+        assert jobs.release(session, by_cid["dies"].id, "w", "worker_error", "boom") == "dead"
+        assert batches.ready_after_job(session, by_cid["dies"].id) is None  # ok2 still queued
+    assert finalize_batch(batch_id, db, store) == "in_progress"
+    _finish(db, store, by_cid["ok2"], "two")
+    with db.session() as session:
+        assert batches.ready_after_job(session, by_cid["ok2"].id) == batch_id
+    assert batch_id in due_batches(db)
+
+    results: list[str] = []
+    threads = [threading.Thread(target=lambda: results.append(finalize_batch(batch_id, db, store)))
+               for _ in range(3)]  # racing finalizers: one wins, the others roll back their file rows
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert "completed" in results and set(results) <= {"in_progress", "finalizing", "completed"}
+    batch = get_batch(db, batch_id)
+    with db.session() as session:
+        view = batches.batch_view(session, batch)
+        n_files = session.scalar(select(func.count()).select_from(FileRecord)
+                                 .where(FileRecord.filename.like(f"{batch_id}_%")))
+    assert n_files == 2 and batch_id not in due_batches(db)
+    assert view["request_counts"] == {"total": 5, "completed": 2, "failed": 3}
+    assert view["usage"]["input_tokens"] == 10 and view["usage"]["output_tokens"] == 4
+    assert view["completed_at"] >= view["finalizing_at"] >= view["in_progress_at"] >= view["created_at"]
+
+    output = _read_jsonl(store, db, batch.output_file_id or "")
+    assert {o["custom_id"]: o["response"]["body"]["choices"][0]["message"]["content"] for o in output} == {
+        "ok1": "one", "ok2": "two"}
+    assert all(o["error"] is None and o["response"]["status_code"] == 200 and o["id"].startswith("batch_req_")
+               for o in output)
+    errors = {(e["custom_id"], e["error"]["code"]): e for e in _read_jsonl(store, db, batch.error_file_id or "")}
+    assert set(errors) == {(None, "invalid_json"), ("bad-at-worker", "invalid_input"), ("dies", "worker_error")}
+    assert errors[(None, "invalid_json")]["response"] is None
+    assert errors[("bad-at-worker", "invalid_input")]["response"]["status_code"] == 400
+    assert errors[("dies", "worker_error")]["response"]["status_code"] == 500
+    assert finalize_batch(batch_id, db, store) == "completed"  # again: nothing changes
+
+
+def test_cancel_during_ingestion(settings: Settings, db: Database, store: ObjectStore) -> None:
+    batch_id = make_batch(db, store, ("\n".join(line(f"c{i}") for i in range(7)) + "\n{x\n").encode())
+
+    def cancel_after_first_chunk(calls: int) -> None:
+        if calls == 1:
+            with db.session() as session:
+                assert batches.request_cancel(session, batch_id)
+
+    deps = IngestDeps(settings, db, store, Recorder(hook=cancel_after_first_chunk))
+    assert ingest_batch(batch_id, deps) == "cancelling"
+    created = batch_jobs(db, batch_id)
+    assert len(created) == 3  # the chunk being written when the cancel came was rolled back
+    _finish(db, store, created[0], "done before the cancel")
+    assert finalize_batch(batch_id, db, store) == "cancelling"  # two jobs still queued
+    assert cancel_batch_jobs(batch_id, db) == 2
+    assert finalize_batch(batch_id, db, store) == "cancelled"
+    batch = get_batch(db, batch_id)
+    assert batch.cancelled_at is not None and batch.cancelling_at is not None
+    assert [o["custom_id"] for o in _read_jsonl(store, db, batch.output_file_id or "")] == [created[0].custom_id]
+    errors = _read_jsonl(store, db, batch.error_file_id or "")
+    assert sorted(e["error"]["code"] for e in errors) == ["batch_cancelled", "batch_cancelled"]
+    with db.session() as session:
+        assert batches.request_counts(session, batch) == {"total": 3, "completed": 1, "failed": 0}
+
+
+def _expire_now(db: Database, batch_id: str) -> None:
+    with db.session() as session:
+        batch = session.get(Batch, batch_id)
+        assert batch is not None
+        batch.expires_at = batch.created_at - timedelta(seconds=1)
+
+
+def test_expiry_keeps_finished_results(settings: Settings, db: Database, store: ObjectStore) -> None:
+    batch_id = make_batch(db, store, "\n".join(line(f"x{i}") for i in range(5)).encode())
+    ingest_batch(batch_id, IngestDeps(settings, db, store, Recorder()))
+    created = batch_jobs(db, batch_id)
+    _finish(db, store, created[0], "in time")
+    with db.session() as session:
+        assert jobs.claim(session, created[1].id, "w", 60)
+    not_yet = make_batch(db, store, line("y").encode())  # validating, its window not over
+    late = make_batch(db, store, line("z").encode())  # never ingested
+    _expire_now(db, batch_id)
+    _expire_now(db, late)
+    assert set(expire_due(db)) == {batch_id, late}
+    assert expire_batch(batch_id, db) == 4  # three queued and the running one
+    with db.session() as session:  # the worker still running it is refused
+        assert not jobs.finish(session, created[1].id, "w", jobs.JobResult("k", "late", "stop", 1, 1))
+    assert finalize_batch(batch_id, db, store) == "expired"
+    assert finalize_batch(late, db, store) == "expired"
+    assert ingest_batch(late, IngestDeps(settings, db, store, Recorder())) == "expired"
+    assert get_batch(db, not_yet).status == "validating" and expire_due(db) == []
+    batch = get_batch(db, batch_id)
+    assert batch.expired_at is not None and batch.completed_at is None
+    assert [o["custom_id"] for o in _read_jsonl(store, db, batch.output_file_id or "")] == [created[0].custom_id]
+    errors = _read_jsonl(store, db, batch.error_file_id or "")
+    assert [e["error"]["code"] for e in errors] == ["batch_expired"] * 4
+    with db.session() as session:
+        assert batches.batch_view(session, batch)["request_counts"] == {"total": 5, "completed": 1, "failed": 0}
+
+
+def test_ingest_and_finalize_on_sqlite_and_a_local_folder(tmp_path: Path) -> None:
+    local = Settings(data_dir=tmp_path, model=f"/models/{MODEL}", ingest_chunk_rows=2)
+    upgrade(local.database_url)
+    db, store = get_database(local.database_url), make_store(local)
+    data = "\n".join([line("a", image=png_bytes()), line("b"), line("a"), line("c", image=png_bytes())]).encode()
+    batch_id = make_batch(db, store, data)
+    assert ingest_batch(batch_id, IngestDeps(local, db, store, Recorder())) == "in_progress"
+    assert line_errors(db, batch_id) == [(3, "a", "duplicate_custom_id")]  # found by ON CONFLICT on SQLite too
+    for job in batch_jobs(db, batch_id):
+        _finish(db, store, job, f"answer {job.custom_id}")
+    assert finalize_batch(batch_id, db, store) == "completed"
+    batch = get_batch(db, batch_id)
+    output = _read_jsonl(store, db, batch.output_file_id or "")
+    assert sorted(o["custom_id"] for o in output) == ["a", "b", "c"]
+    assert (tmp_path / "objects" / "batches" / batch_id / "output.jsonl").is_file()
+    db.dispose()

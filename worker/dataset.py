@@ -1,0 +1,229 @@
+"""Native datasets: a JSONL or CSV manifest plus a zip or tar of images named by relative path. No Celery.
+
+Before any line is read, every image in the archive is checked and stored once under its content hash, and
+indexed by path in batch_images, a chunk of members per transaction (memory bounded by a chunk; a
+redelivered task just repeats idempotent inserts). A line's path then becomes that stored image's id before
+the usual checks, so a path line is accepted or refused exactly like a line with a data: URL.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import itertools
+import json
+import re
+import tarfile
+import unicodedata
+import zipfile
+import zlib
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from common.batch_input import CHAT_URL, LineError
+from common.batches import insert_ignoring_conflicts
+from common.db import Database
+from common.files import ChunkStream, open_reader, open_seekable
+from common.models import Batch, BatchImage, BatchStatus, FileRecord, utcnow
+from common.schemas import ChatCompletionRequest, ImagePart
+from common.settings import Settings
+from common.storage import ObjectNotFound, ObjectStore
+from common.submission import IMAGE_ID_RE, SubmissionError, image_public_id, store_image
+
+MEMBERS_PER_CHUNK = 100
+CSV_COLUMNS = ("custom_id", "prompt", "image", "system", "max_tokens", "temperature", "top_p", "seed")
+_SURROGATE = re.compile("[\udc80-\udcff]")
+_JUNK_NAMES = (".DS_Store", "Thumbs.db", "desktop.ini")
+_ARCHIVE_ERRORS = (zipfile.BadZipFile, tarfile.TarError, RuntimeError, NotImplementedError, OSError, EOFError,
+                   zlib.error)
+
+
+class DatasetError(ValueError):
+    """The archive or the manifest as a whole is unusable; the batch fails with this message."""
+
+
+def normalize_path(name: str) -> str | None:
+    """One spelling per path: '/' separators, no './' or leading '/', NFC (macOS zips store NFD names);
+    None for a path that climbs out ('..')."""
+    parts = [p for p in unicodedata.normalize("NFC", name.replace("\\", "/")).split("/") if p not in ("", ".")]
+    return "/".join(parts) if parts and ".." not in parts else None
+
+
+def _path_hash(path: str) -> str:
+    return hashlib.sha256(path.encode()).hexdigest()
+
+
+def _junk(path: str) -> bool:
+    base = path.rsplit("/", 1)[-1]
+    return path.startswith("__MACOSX/") or base.startswith("._") or base in _JUNK_NAMES
+
+
+def _members(store: ObjectStore, record: FileRecord, max_bytes: int) -> Iterator[tuple[str, bytes | str]]:
+    """(path, bytes, or why the member is unusable) for each file of a zip or (compressed) tar archive."""
+    with open_seekable(store, record.object_key, record.size_bytes) as handle:
+        if handle.read(2) == b"PK":
+            handle.seek(0)
+            try:
+                archive = zipfile.ZipFile(handle)
+            except _ARCHIVE_ERRORS as exc:
+                raise DatasetError(f"the images file is not a readable zip archive: {exc}") from None
+            with archive:
+                for info in archive.infolist():
+                    path = normalize_path(info.filename)
+                    if info.is_dir() or path is None or _junk(path):
+                        continue
+                    if info.file_size > max_bytes:
+                        yield path, f"is {info.file_size} bytes; the limit for an image is {max_bytes}"
+                        continue
+                    try:
+                        yield path, archive.read(info)
+                    except _ARCHIVE_ERRORS as exc:
+                        yield path, f"cannot be read from the archive: {exc}"
+            return
+    # tar, gzip/bzip2/xz-compressed or not, is read as a stream: no seeking, no local copy.
+    stream = io.BufferedReader(ChunkStream(open_reader(store, record.object_key)))
+    try:
+        with tarfile.open(fileobj=stream, mode="r|*") as archive:
+            for member in archive:
+                path = normalize_path(member.name)
+                if not member.isfile() or path is None or _junk(path):
+                    continue
+                if member.size > max_bytes:
+                    yield path, f"is {member.size} bytes; the limit for an image is {max_bytes}"
+                    continue
+                extracted = archive.extractfile(member)
+                yield path, extracted.read() if extracted is not None else "cannot be read from the archive"
+    except _ARCHIVE_ERRORS as exc:
+        raise DatasetError(f"the images file is neither a zip nor a readable tar archive: {exc}") from None
+
+
+def index_archive(batch_id: str, images_file_id: str, db: Database, store: ObjectStore,
+                  settings: Settings) -> str | None:
+    """Store and index the batch's image archive; None when done (or the batch left validating), else why
+    the batch must fail."""
+    with db.session() as session:
+        record = session.get(FileRecord, images_file_id)
+    if record is None:
+        return f"images file {images_file_id!r} no longer exists"
+    roots: set[str] = set()
+    flat = False
+    members = _members(store, record, settings.max_image_bytes)
+    try:
+        while part := list(itertools.islice(members, MEMBERS_PER_CHUNK)):
+            with db.session() as session:
+                rows = []
+                for path, data in part:
+                    top, nested, _ = path.partition("/")
+                    flat = flat or not nested
+                    if len(roots) < 2:
+                        roots.add(top)
+                    image_id = error = None
+                    if isinstance(data, str):
+                        error = data
+                    else:
+                        try:
+                            image_id = store_image(session, store, data, settings).id
+                        except SubmissionError as exc:
+                            error = str(exc)
+                    rows.append({"batch_id": batch_id, "path_hash": _path_hash(path), "path": path,
+                                 "image_id": image_id, "error": error})
+                insert_ignoring_conflicts(session, BatchImage, rows, ["batch_id", "path_hash"])
+                if session.scalar(select(Batch.status).where(Batch.id == batch_id)) != BatchStatus.VALIDATING:
+                    return None  # cancelled meanwhile
+    except DatasetError as exc:
+        return str(exc)
+    except ObjectNotFound:
+        return f"images file {images_file_id!r} is missing from storage"
+    # A zip of a folder holds "folder/a.png" while the manifest says "a.png": both spellings resolve.
+    root = next(iter(roots)) if len(roots) == 1 and not flat else None
+    with db.session() as session:
+        session.execute(update(Batch).where(Batch.id == batch_id, Batch.status == BatchStatus.VALIDATING)
+                        .values(images_indexed_at=utcnow(), images_root=root))
+    return None
+
+
+def _is_reference(url: str) -> bool:
+    return url.startswith(("data:", "http://", "https://")) or IMAGE_ID_RE.match(url) is not None
+
+
+def resolve_paths(session: Session, batch_id: str, root: str | None, req: ChatCompletionRequest, number: int,
+                  custom_id: str) -> LineError | None:
+    """Replace each image path of `req` by the id of the archive's image at that path (in place)."""
+    for message in req.messages:
+        for part in message.content if isinstance(message.content, list) else ():
+            if not isinstance(part, ImagePart) or _is_reference(part.image_url.url):
+                continue
+            path = normalize_path(part.image_url.url)
+            candidates = [path, f"{root}/{path}"] if path and root else [path] if path else []
+            entry = next((e for p in candidates if (e := session.get(BatchImage, (batch_id, _path_hash(p))))), None)
+            if entry is None:
+                return LineError(number, custom_id, "image_not_found",
+                                 f"line {number}: {part.image_url.url!r} is not in the images archive")
+            if entry.image_id is None:
+                return LineError(number, custom_id, "invalid_image",
+                                 f"line {number}: image {part.image_url.url!r}: {entry.error}")
+            part.image_url.url = image_public_id(entry.image_id)
+    return None
+
+
+def iter_csv_lines(chunks: Iterable[bytes], max_line_bytes: int) -> Iterator[tuple[int, str | LineError]]:
+    """A CSV manifest as OpenAI batch lines: (line number, JSON line or error), like common.batch_input.iter_lines.
+
+    Columns: prompt (required), image (paths separated by '|'), custom_id (default line-<n>), system,
+    max_tokens, temperature, top_p, seed."""
+    # surrogateescape: a byte that is not UTF-8 spoils only its own row (found below), not the block around it.
+    text = io.TextIOWrapper(io.BufferedReader(ChunkStream(iter(chunks))), encoding="utf-8-sig", newline="",
+                            errors="surrogateescape")
+    reader = csv.reader(text)
+    try:
+        header = [h.strip().lower() for h in next(reader)]
+    except StopIteration:
+        return
+    except csv.Error as exc:
+        raise DatasetError(f"the CSV header cannot be read: {exc}") from None
+    unknown = [h for h in header if h not in CSV_COLUMNS]
+    if unknown or "prompt" not in header or len(set(header)) != len(header):
+        raise DatasetError(f"CSV columns must be distinct, include 'prompt' and come from {', '.join(CSV_COLUMNS)}"
+                           f" (got {', '.join(header)})")
+    while True:
+        number = reader.line_num + 1
+        try:
+            row = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as exc:
+            yield number, LineError(number, None, "invalid_csv", f"line {number}: {exc}")
+            continue
+        if not any(cell.strip() for cell in row):
+            continue
+        if _SURROGATE.search("".join(row)):
+            yield number, LineError(number, None, "invalid_utf8", f"line {number} is not valid UTF-8")
+            continue
+        if len(row) != len(header):
+            yield number, LineError(number, None, "invalid_csv",
+                                    f"line {number} has {len(row)} fields; the header has {len(header)}")
+            continue
+        line = json.dumps(_csv_request(dict(zip(header, row, strict=True)), number))
+        if len(line) > max_line_bytes:
+            yield number, LineError(number, None, "line_too_long", f"line {number} is too long")
+            continue
+        yield number, line
+
+
+def _csv_request(values: dict[str, str], number: int) -> dict[str, Any]:
+    content: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": p.strip()}}
+                                     for p in values.get("image", "").split("|") if p.strip()]
+    content.append({"type": "text", "text": values["prompt"]})
+    messages: list[dict[str, Any]] = [{"role": "user", "content": content}]
+    if values.get("system", "").strip():
+        messages.insert(0, {"role": "system", "content": values["system"]})
+    body: dict[str, Any] = {"messages": messages}
+    for name in ("max_tokens", "temperature", "top_p", "seed"):
+        if values.get(name, "").strip():
+            body[name] = values[name].strip()  # "8" -> 8 by the request model's own validation
+    return {"custom_id": values.get("custom_id", "").strip() or f"line-{number}", "method": "POST", "url": CHAT_URL,
+            "body": body}

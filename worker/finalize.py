@@ -1,0 +1,212 @@
+"""Batch finalization and cancellation: the output and error JSONL files, then `completed` or `cancelled`.
+
+No Celery here. Finalization is safe to run twice or concurrently: the files go to deterministic keys with
+content fixed by the (terminal) jobs, and the file rows commit in the same transaction as the one conditional
+UPDATE that ends the batch, so exactly one run's rows survive.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import select
+
+from common import batches, jobs
+from common.batch_input import LineError, job_line, refused_line
+from common.db import Database
+from common.files import ObjectWriter, add_file, open_writer
+from common.models import Batch, BatchLineError, BatchStatus, Job, JobStatus, new_file_id
+from common.storage import ObjectNotFound, ObjectStore
+
+log = logging.getLogger(__name__)
+
+ROWS_PER_READ = 256  # jobs read (and result objects fetched in parallel) at a time
+RESULT_FETCH_THREADS = 8
+CANCEL_CHUNK = 1000
+
+
+class _Lost(Exception):
+    """Another finalizer ended the batch first; this run's file rows are rolled back."""
+
+
+@dataclass
+class _Tally:
+    completed: int = 0
+    failed: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+
+
+class _JsonlObject:
+    """A JSONL object written on first use, so a batch without errors gets no error file."""
+
+    def __init__(self, store: ObjectStore, key: str) -> None:
+        self.store, self.key = store, key
+        self.writer: ObjectWriter | None = None
+        self.pending = bytearray()
+        self.size = 0
+
+    def add(self, line: dict[str, Any]) -> None:
+        if self.writer is None:
+            self.writer = open_writer(self.store, self.key, "application/jsonl")
+        self.pending += (json.dumps(line, ensure_ascii=False) + "\n").encode()
+        if len(self.pending) >= 1 << 20:
+            self.writer.write(bytes(self.pending))
+            self.pending.clear()
+
+    def close(self) -> int | None:
+        """The object's size, or None when nothing was written."""
+        if self.writer is None:
+            return None
+        if self.pending:
+            self.writer.write(bytes(self.pending))
+        return self.writer.close()
+
+    def abort(self) -> None:
+        if self.writer is not None:
+            self.writer.abort()
+
+
+def output_key(batch_id: str) -> str:
+    return f"batches/{batch_id}/output.jsonl"
+
+
+def error_key(batch_id: str) -> str:
+    return f"batches/{batch_id}/errors.jsonl"
+
+
+def finalize_batch(batch_id: str, db: Database, store: ObjectStore) -> str:
+    """End the batch if all its jobs are terminal; returns its status afterwards."""
+    with db.session() as session:
+        batch = session.get(Batch, batch_id)
+        if batch is None:
+            return "missing"
+        if batch.status == BatchStatus.IN_PROGRESS:
+            if not batches.begin_finalizing(session, batch_id):
+                # Some job is still queued or running, or another finalizer (or a cancel) got there first.
+                return session.scalar(select(Batch.status).where(Batch.id == batch_id)) or "missing"
+            final = BatchStatus.COMPLETED
+        elif batch.status == BatchStatus.FINALIZING:
+            # A redelivery after a finalizer died, or an expiring batch once its open jobs are cancelled.
+            if batches.has_open_jobs(session, batch_id):
+                return batch.status
+            final = BatchStatus.EXPIRED if batch.expired_at is not None else BatchStatus.COMPLETED
+        elif batch.status == BatchStatus.CANCELLING:
+            if batches.has_open_jobs(session, batch_id):
+                return batch.status  # running jobs finish (or are refused) first
+            final = BatchStatus.CANCELLED
+        else:
+            return batch.status
+    output, errors = _JsonlObject(store, output_key(batch_id)), _JsonlObject(store, error_key(batch_id))
+    try:
+        stopped_code = "batch_expired" if final == BatchStatus.EXPIRED else "batch_cancelled"
+        tally = _write_lines(batch_id, db, store, output, errors, stopped_code)
+        output_size, error_size = output.close(), errors.close()
+    except BaseException:
+        output.abort()
+        errors.abort()
+        raise
+    try:
+        with db.session() as session:
+            values: dict[str, Any] = {
+                "completed_requests": tally.completed, "failed_requests": tally.failed,
+                "input_tokens": tally.input_tokens, "output_tokens": tally.output_tokens,
+            }
+            for kind, key, size in (("output", output_key(batch_id), output_size),
+                                    ("error", error_key(batch_id), error_size)):
+                if size is not None:
+                    record = add_file(session, file_id=new_file_id(), key=key, size=size,
+                                      filename=f"{batch_id}_{kind}.jsonl", purpose="batch_output")
+                    values[f"{kind}_file_id"] = record.id
+            if not batches.finish(session, batch_id, final, **values):
+                raise _Lost()
+    except _Lost:
+        log.info("batch %s was finalized by another run", batch_id)
+    with db.session() as session:
+        return session.scalar(select(Batch.status).where(Batch.id == batch_id)) or "missing"
+
+
+def _write_lines(batch_id: str, db: Database, store: ObjectStore, output: _JsonlObject,
+                 errors: _JsonlObject, stopped_code: str) -> _Tally:
+    tally = _Tally()
+    with db.session() as session:
+        refused = (select(BatchLineError).where(BatchLineError.batch_id == batch_id)
+                   .order_by(BatchLineError.line).execution_options(yield_per=ROWS_PER_READ))
+        for err in session.scalars(refused):
+            tally.failed += 1
+            line = LineError(err.line, err.custom_id, err.code, err.message)
+            errors.add(refused_line(line, f"batch_req_{batch_id}_line{err.line}"))
+        stmt = (select(Job).where(Job.batch_id == batch_id).order_by(Job.id)
+                .execution_options(yield_per=ROWS_PER_READ))
+        with ThreadPoolExecutor(RESULT_FETCH_THREADS, thread_name_prefix="finalize") as pool:
+            for part in session.scalars(stmt).partitions():
+                bodies = pool.map(lambda job: _result_body(store, job), part)
+                for job, body in zip(part, bodies, strict=True):
+                    line = job_line(job, body, stopped_code)
+                    if job.status == JobStatus.SUCCEEDED:
+                        tally.completed += 1
+                        tally.input_tokens += job.prompt_tokens or 0
+                        tally.output_tokens += job.completion_tokens or 0
+                        output.add(line)
+                    else:
+                        if job.status in (JobStatus.FAILED, JobStatus.DEAD):
+                            tally.failed += 1
+                        errors.add(line)
+    return tally
+
+
+def _result_body(store: ObjectStore, job: Job) -> dict[str, Any] | None:
+    """The chat.completion the worker stored; None (rebuilt from the row) if the object is gone."""
+    if job.status != JobStatus.SUCCEEDED or not job.result_key:
+        return None
+    try:
+        return json.loads(store.get(job.result_key))
+    except ObjectNotFound:
+        log.warning("result object %s of job %s is missing; rebuilding it from the row", job.result_key, job.id)
+        return None
+
+
+def cancel_batch_jobs(batch_id: str, db: Database) -> int:
+    """Cancel the queued jobs of a cancelling batch (running ones finish, or are refused by jobs.cancel if
+    they start meanwhile); returns how many were cancelled."""
+    return _cancel_jobs(batch_id, db, (BatchStatus.CANCELLING,), (JobStatus.QUEUED,))
+
+
+def expire_batch(batch_id: str, db: Database) -> int:
+    """Cancel every open job of an expiring batch, running ones included: past its window nothing more runs
+    (a worker's finish is refused, and its lease keeper can abort the generation)."""
+    return _cancel_jobs(batch_id, db, (BatchStatus.FINALIZING,), (JobStatus.QUEUED, JobStatus.RUNNING))
+
+
+def _cancel_jobs(batch_id: str, db: Database, batch_statuses: tuple[str, ...], job_statuses: tuple[str, ...]) -> int:
+    cancelled = 0
+    while True:
+        with db.session() as session:
+            status = session.scalar(select(Batch.status).where(Batch.id == batch_id))
+            if status not in batch_statuses:
+                return cancelled
+            ids = list(session.scalars(select(Job.id).where(Job.batch_id == batch_id, Job.status.in_(job_statuses))
+                                       .limit(CANCEL_CHUNK)))
+            cancelled += sum(1 for job_id in ids if jobs.cancel(session, job_id))
+        if len(ids) < CANCEL_CHUNK:
+            return cancelled
+
+
+def expire_due(db: Database) -> list[str]:
+    """Move every batch past its completion window to finalizing (expired_at set); returns those whose open
+    jobs expire_batch must now cancel."""
+    with db.session() as session:
+        due = batches.due_for_expiry(session)
+    for batch_id in due:
+        with db.session() as session:
+            batches.expire(session, batch_id)  # a no-op for one already expiring
+    return due
+
+
+def due_batches(db: Database) -> list[str]:
+    with db.session() as session:
+        return batches.due_for_finalize(session)
