@@ -153,3 +153,11 @@ def service_env(pg_url: str, redis_url: str, s3_env: dict[str, str], tmp_path_fa
         "VLMQ_DATA_DIR": str(tmp_path_factory.mktemp("vlmq-data")),
         **s3_env,
     }
+
+
+def settings_from_env(env: dict[str, str], **overrides: object):  # type: ignore[no-untyped-def]
+    """The Settings a process started with `env` (VLMQ_* variables) would read, with `overrides` on top."""
+    from common.settings import Settings
+
+    values = {k.removeprefix("VLMQ_").lower(): v for k, v in env.items() if k.startswith("VLMQ_")}
+    return Settings(**{**values, **overrides})

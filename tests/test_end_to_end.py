@@ -19,9 +19,8 @@ import pytest
 import torch
 from PIL import Image
 
-from common.settings import Settings
 from tests.api.test_jobs_api import data_url
-from tests.conftest import ApiServer
+from tests.conftest import ApiServer, settings_from_env
 from tests.hf_reference import hf_messages, hf_reference_answer
 from worker.model_loader import load_model
 
@@ -74,7 +73,7 @@ def test_twenty_jobs_through_the_service_match_hf(service_env: dict[str, str], t
     with log_path.open("wb") as log:
         worker = subprocess.Popen([sys.executable, "-m", "common.cli", "worker", "--loglevel", "WARNING"],
                                   env=env, stdout=log, stderr=subprocess.STDOUT)
-    settings = Settings(**{k.removeprefix("VLMQ_").lower(): v for k, v in service_env.items()},
+    settings = settings_from_env(service_env,
                         model=str(tiny_llava_path))
     bodies = make_jobs(20)
     try:

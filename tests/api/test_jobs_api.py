@@ -14,7 +14,7 @@ import redis
 from PIL import Image
 
 from common.settings import Settings
-from tests.conftest import ApiServer
+from tests.conftest import ApiServer, settings_from_env
 
 MODEL = "tiny-test-model"
 
@@ -38,8 +38,8 @@ def chat_body(image_url: str | None = None, text: str = "What is this?", **extra
 
 @pytest.fixture(scope="module")
 def settings(service_env: dict[str, str]) -> Settings:
-    env = {k.removeprefix("VLMQ_").lower(): v for k, v in service_env.items()}
-    return Settings(**env, model=f"/models/{MODEL}", max_body_bytes=256 * 1024, max_image_pixels=1_000_000)
+    return settings_from_env(service_env, model=f"/models/{MODEL}", max_body_bytes=256 * 1024,
+                             max_image_pixels=1_000_000)
 
 
 @pytest.fixture(scope="module")

@@ -35,7 +35,7 @@ from common.models import Batch, utcnow
 from common.queue import make_celery, send_sweep_batches
 from common.settings import Settings
 from tests.api.test_jobs_api import data_url, png_bytes
-from tests.conftest import ApiServer
+from tests.conftest import ApiServer, settings_from_env
 from tests.hf_reference import hf_messages, hf_reference_answer
 from tests.test_end_to_end import make_image, make_jobs
 from worker.model_loader import load_model
@@ -93,7 +93,7 @@ def stack(service_env: dict[str, str], tiny_llava_path: Path, tmp_path_factory: 
         with (logs / f"{name}.log").open("wb") as log:
             procs.append(subprocess.Popen([sys.executable, "-m", "common.cli", *args, "--loglevel", "WARNING"],
                                           env={**env, **extra}, stdout=log, stderr=subprocess.STDOUT))
-    settings = Settings(**{k.removeprefix("VLMQ_").lower(): v for k, v in service_env.items()},
+    settings = settings_from_env(service_env,
                         model=str(tiny_llava_path), max_file_bytes=MAX_FILE_BYTES)
     try:
         with ApiServer(settings) as server:

@@ -17,6 +17,7 @@ from common.models import Batch, new_file_id
 from common.settings import Settings
 from common.storage import ObjectStore, make_store
 from tests.api.test_jobs_api import png_bytes
+from tests.conftest import settings_from_env
 from tests.worker.test_ingest import MODEL, Recorder, batch_jobs, get_batch, line_errors
 from worker.dataset import iter_csv_lines, normalize_path
 from worker.ingest import IngestDeps, ingest_batch
@@ -26,8 +27,7 @@ RED, GREEN = png_bytes((200, 0, 0), (8, 6)), png_bytes((0, 200, 0), (6, 8))
 
 @pytest.fixture(scope="module")
 def settings(service_env: dict[str, str]) -> Settings:
-    env = {k.removeprefix("VLMQ_").lower(): v for k, v in service_env.items()}
-    return Settings(**env, model=f"/models/{MODEL}", ingest_chunk_rows=2)
+    return settings_from_env(service_env, model=f"/models/{MODEL}", ingest_chunk_rows=2)
 
 
 @pytest.fixture(scope="module")

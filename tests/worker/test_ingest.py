@@ -26,6 +26,7 @@ from common.settings import Settings
 from common.storage import ObjectStore, make_store, result_key
 from common.views import chat_completion
 from tests.api.test_jobs_api import data_url, png_bytes
+from tests.conftest import settings_from_env
 from worker.finalize import cancel_batch_jobs, due_batches, expire_batch, expire_due, finalize_batch
 from worker.ingest import IngestDeps, ingest_batch
 
@@ -34,8 +35,7 @@ MODEL = "tiny-ingest"
 
 @pytest.fixture(scope="module")
 def settings(service_env: dict[str, str]) -> Settings:
-    env = {k.removeprefix("VLMQ_").lower(): v for k, v in service_env.items()}
-    return Settings(**env, model=f"/models/{MODEL}", ingest_chunk_rows=3, max_body_bytes=64 * 1024)
+    return settings_from_env(service_env, model=f"/models/{MODEL}", ingest_chunk_rows=3, max_body_bytes=64 * 1024)
 
 
 @pytest.fixture(scope="module")
