@@ -44,7 +44,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def _http(_: Request, exc: HTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed", 409: "conflict", 413: "request_too_large",
+        code = {401: "invalid_api_key", 403: "forbidden", 429: "rate_limit_exceeded", 404: "not_found",
+                405: "method_not_allowed", 409: "conflict", 413: "request_too_large",
                 415: "unsupported_media_type"}.get(exc.status_code, "error")
         return JSONResponse(error_body(str(exc.detail), code), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))

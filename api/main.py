@@ -6,9 +6,10 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from api.auth import KeyCache, get_tenant
 from api.deps import AppState
 from api.errors import BodySizeLimit, install_error_handlers
 from api.routes import batches, datasets, files, health, images, jobs
@@ -57,12 +58,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         store=make_store(settings),
         celery=make_celery(settings),
     )
+    app.state.key_cache = KeyCache(settings.auth_cache_seconds)
     install_error_handlers(app)
     app.include_router(health.router)
-    app.include_router(images.router)
-    app.include_router(jobs.router)
-    app.include_router(files.router)
-    app.include_router(batches.router)
-    app.include_router(datasets.router)
+    # Every /v1 route needs a tenant: its API key's, or `default` in embedded mode.
+    for router in (images.router, jobs.router, files.router, batches.router, datasets.router):
+        app.include_router(router, dependencies=[Depends(get_tenant)])
     app.add_middleware(RouteBodyLimits, default_bytes=settings.max_body_bytes, file_bytes=settings.max_file_bytes)
     return app

@@ -18,9 +18,10 @@ from typing import Annotated, Any
 import httpx
 import typer
 
+from common.api_client import ApiUrl, api_client
+
 batch_app = typer.Typer(help="OpenAI-style batches on a running vlmq API.", no_args_is_help=True)
 
-ApiUrl = Annotated[str, typer.Option("--api-url", envvar="VLMQ_API_URL", help="Base URL of a vlmq API.")]
 FINAL = ("completed", "failed", "cancelled", "expired")
 
 
@@ -93,7 +94,7 @@ def submit(
 ) -> None:
     """Upload a batch file (and its images) and create the batch; prints the batch (or follows it)."""
     pairs = dict(item.split("=", 1) for item in metadata or [] if "=" in item)
-    with httpx.Client(base_url=api_url, timeout=300) as client:
+    with api_client(api_url, 300) as client:
         body: dict[str, Any] = {"endpoint": "/v1/chat/completions", "completion_window": "24h",
                                 "metadata": pairs or None}
         if images is not None:
@@ -115,7 +116,7 @@ def submit(
 def status(batch_id: Annotated[str, typer.Argument(help="Batch id.")], api_url: ApiUrl = "http://127.0.0.1:8000"
            ) -> None:
     """Show a batch (status, request counts, files)."""
-    with httpx.Client(base_url=api_url, timeout=60) as client:
+    with api_client(api_url, 60) as client:
         typer.echo(json.dumps(_check(client.get(f"/v1/batches/{batch_id}")), indent=2))
 
 
@@ -126,7 +127,7 @@ def results(
     api_url: ApiUrl = "http://127.0.0.1:8000",
 ) -> None:
     """Write a finished batch's output lines, then its error lines, to one JSONL file (like `vlmq run`)."""
-    with httpx.Client(base_url=api_url, timeout=300) as client:
+    with api_client(api_url, 300) as client:
         batch = _check(client.get(f"/v1/batches/{batch_id}"))
         if batch["status"] not in FINAL:
             typer.echo(f"batch {batch_id} is {batch['status']}; results exist once it has ended", err=True)

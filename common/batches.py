@@ -19,7 +19,7 @@ from typing import Any
 from sqlalchemy import exists, func, select, update
 from sqlalchemy.orm import Session, aliased
 
-from common.models import Batch, BatchStatus, Job, JobStatus, new_id, utcnow
+from common.models import DEFAULT_TENANT, Batch, BatchStatus, Job, JobStatus, new_id, utcnow
 
 COMPLETION_WINDOWS = {"24h": timedelta(hours=24)}
 OPEN_JOB_STATUSES = (JobStatus.QUEUED, JobStatus.RUNNING)
@@ -53,11 +53,12 @@ def insert_ignoring_conflicts(
 
 def create_batch(
     session: Session, *, input_file_id: str, endpoint: str, completion_window: str, model: str,
-    metadata: dict[str, str] | None, images_file_id: str | None = None,
+    metadata: dict[str, str] | None, images_file_id: str | None = None, tenant: str = DEFAULT_TENANT,
 ) -> Batch:
     now = utcnow()
     batch = Batch(
-        id=new_id("batch"), status=BatchStatus.VALIDATING, endpoint=endpoint, completion_window=completion_window,
+        id=new_id("batch"), tenant=tenant, status=BatchStatus.VALIDATING, endpoint=endpoint,
+        completion_window=completion_window,
         input_file_id=input_file_id, images_file_id=images_file_id, model=model, metadata_=metadata,
         created_at=now, expires_at=now + COMPLETION_WINDOWS[completion_window], ingested_lines=0, total_requests=0,
         refused_requests=0, completed_requests=0, failed_requests=0,

@@ -11,10 +11,11 @@ from typing import Annotated
 
 import typer
 
+from common.api_client import ApiUrl, api_client
+
 app = typer.Typer(help="vlmq: batch inference for vision-language models.", no_args_is_help=True,
                   pretty_exceptions_enable=False)
 
-ApiUrl = Annotated[str, typer.Option("--api-url", envvar="VLMQ_API_URL", help="Base URL of a vlmq API.")]
 
 
 def _settings(**overrides: object):  # type: ignore[no-untyped-def]
@@ -145,10 +146,8 @@ def submit(
     timeout: Annotated[float, typer.Option(help="Seconds to wait with --wait.")] = 600.0,
 ) -> None:
     """Submit one job (images + prompt) to a running API."""
-    import httpx
-
     files = [("image", (p.name, p.read_bytes())) for p in image]
-    with httpx.Client(base_url=api_url, timeout=60) as client:
+    with api_client(api_url, 60) as client:
         response = client.post("/v1/jobs", data={"prompt": prompt, "max_tokens": str(max_tokens)}, files=files)
         if response.status_code >= 400:
             typer.echo(f"error {response.status_code}: {response.text}", err=True)
@@ -170,9 +169,8 @@ def submit(
 @app.command()
 def status(job_id: Annotated[str, typer.Argument(help="Job id.")], api_url: ApiUrl = "http://127.0.0.1:8000") -> None:
     """Show one job."""
-    import httpx
-
-    response = httpx.get(f"{api_url}/v1/jobs/{job_id}", timeout=30)
+    with api_client(api_url, 30) as client:
+        response = client.get(f"/v1/jobs/{job_id}")
     typer.echo(json.dumps(response.json(), indent=2))
     if response.status_code >= 400:
         raise typer.Exit(1)
@@ -191,9 +189,11 @@ def make_tiny_model(
 
 
 def _add_batch_commands() -> None:
+    from common.apikey_cli import apikey_app
     from common.batch_cli import batch_app
 
     app.add_typer(batch_app, name="batch")
+    app.add_typer(apikey_app, name="apikey")
 
 
 _add_batch_commands()

@@ -244,9 +244,10 @@ def file_key(file_id: str) -> str:
     return f"files/{file_id}"
 
 
-def add_file(session: Session, *, file_id: str, key: str, size: int, filename: str, purpose: str) -> FileRecord:
-    record = FileRecord(id=file_id, object_key=key, size_bytes=size, filename=filename[:512], purpose=purpose,
-                        status="processed", created_at=utcnow())
+def add_file(session: Session, *, file_id: str, key: str, size: int, filename: str, purpose: str,
+             tenant: str) -> FileRecord:
+    record = FileRecord(id=file_id, tenant=tenant, object_key=key, size_bytes=size, filename=filename[:512],
+                        purpose=purpose, status="processed", created_at=utcnow())
     session.add(record)
     session.flush()
     return record

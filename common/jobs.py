@@ -18,7 +18,7 @@ from typing import Any
 from sqlalchemy import and_, or_, select, update
 from sqlalchemy.orm import Session
 
-from common.models import Job, JobStatus, new_id, utcnow
+from common.models import DEFAULT_TENANT, Job, JobStatus, new_id, utcnow
 
 
 @dataclass(frozen=True)
@@ -41,9 +41,16 @@ def create_job(
     idempotency_key: str | None = None,
     batch_id: str | None = None,
     custom_id: str | None = None,
+    tenant: str = DEFAULT_TENANT,
+    dispatched: bool = True,
 ) -> Job:
+    """A queued job. `dispatched`: the caller sends its run_job message right after the commit; otherwise it
+    waits in SQL until common.dispatch sends it in its tenant's turn."""
+    now = utcnow()
     job = Job(
         id=new_id("job"),
+        tenant=tenant,
+        dispatched_at=now if dispatched else None,
         status=JobStatus.QUEUED,
         model=model,
         request=request,
@@ -54,7 +61,7 @@ def create_job(
         batch_id=batch_id,
         custom_id=custom_id,
         attempts=0,
-        created_at=utcnow(),
+        created_at=now,
     )
     session.add(job)
     session.flush()
@@ -214,7 +221,8 @@ def reap(session: Session, limit: int = 1000) -> dict[str, list[str]]:
         requeue = (
             update(Job)
             .where(still_expired)
-            .values(status=JobStatus.QUEUED, lease_owner=None, lease_until=None)
+            # Unsent: its message was consumed by the worker that died, so dispatch sends it again.
+            .values(status=JobStatus.QUEUED, lease_owner=None, lease_until=None, dispatched_at=None)
             .execution_options(synchronize_session=False)
         )
         if session.execute(requeue).rowcount == 1:

@@ -45,6 +45,10 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{int(time.time() * 1000):012x}{os.urandom(10).hex()}"
 
 
+# Who owns rows when auth is off (embedded mode), and the tenant of rows written before tenants existed.
+DEFAULT_TENANT = "default"
+
+
 class JobStatus(enum.StrEnum):
     QUEUED = "queued"
     RUNNING = "running"
@@ -82,19 +86,27 @@ class Job(Base):
         # One job per custom_id within a batch: ingestion detects duplicates across chunks with
         # INSERT .. ON CONFLICT DO NOTHING instead of a set of every id seen (bounded memory).
         Index("ux_jobs_batch_id_custom_id", "batch_id", "custom_id", unique=True),
+        # Fair dispatch (common/dispatch.py): a tenant's jobs of one model in the broker or running, and the
+        # next ones to send, are both ranges of this index.
+        Index("ix_jobs_dispatch", "tenant", "model", "status", "dispatched_at", "id"),
+        # An Idempotency-Key is the client's and only means something within its tenant.
+        Index("ux_jobs_tenant_idempotency_key", "tenant", "idempotency_key", unique=True),
     )
 
     id: Mapped[str] = mapped_column(String(48), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(64), default=DEFAULT_TENANT)
     status: Mapped[str] = mapped_column(String(16), index=True, default=JobStatus.QUEUED)
     model: Mapped[str] = mapped_column(String(255))
     priority: Mapped[int] = mapped_column(Integer, default=5)
     # Normalised chat request: messages with image parts as {"type": "image", "image_id": sha256}, sampling.
     request: Mapped[dict[str, Any]] = mapped_column(JSON)
     metadata_: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSON, nullable=True)
-    idempotency_key: Mapped[str | None] = mapped_column(String(255), unique=True, nullable=True)
+    idempotency_key: Mapped[str | None] = mapped_column(String(255), nullable=True)
     batch_id: Mapped[str | None] = mapped_column(String(48), nullable=True)
     custom_id: Mapped[str | None] = mapped_column(String(512), nullable=True)
 
+    # When a run_job message was last sent for it; NULL while it waits in SQL for its tenant's turn.
+    dispatched_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     max_attempts: Mapped[int] = mapped_column(Integer, default=3)
     lease_owner: Mapped[str | None] = mapped_column(String(255), nullable=True)
@@ -119,6 +131,7 @@ class FileRecord(Base):
     __tablename__ = "files"
 
     id: Mapped[str] = mapped_column(String(48), primary_key=True)  # file-...
+    tenant: Mapped[str] = mapped_column(String(64), default=DEFAULT_TENANT, index=True)
     object_key: Mapped[str] = mapped_column(String(255))
     size_bytes: Mapped[int] = mapped_column("bytes", BigInteger)
     filename: Mapped[str] = mapped_column(String(512))
@@ -150,6 +163,7 @@ class Batch(Base):
     __tablename__ = "batches"
 
     id: Mapped[str] = mapped_column(String(48), primary_key=True)  # batch_...
+    tenant: Mapped[str] = mapped_column(String(64), default=DEFAULT_TENANT, index=True)
     status: Mapped[str] = mapped_column(String(16), index=True, default=BatchStatus.VALIDATING)
     endpoint: Mapped[str] = mapped_column(String(64))
     completion_window: Mapped[str] = mapped_column(String(16))
@@ -209,3 +223,16 @@ class BatchImage(Base):
     path: Mapped[str] = mapped_column(Text)
     image_id: Mapped[str | None] = mapped_column(String(64), nullable=True)  # sha256 of the image bytes
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
+
+
+class ApiKey(Base):
+    """A tenant's API key. Only a hash of the secret is kept; the key itself is shown once, at creation."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(48), primary_key=True)  # key_...: the public part of the key
+    tenant: Mapped[str] = mapped_column(String(64), index=True)
+    name: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    secret_sha256: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)

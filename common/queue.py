@@ -87,6 +87,15 @@ def send_run_jobs(app: Celery, settings: Settings, job_ids: Iterable[str], prior
     return sent
 
 
+def model_sender(app: Celery, settings: Settings):  # type: ignore[no-untyped-def]
+    """A common.dispatch `Send`: run_job messages to the queue of whichever model the jobs are for."""
+
+    def send(model: str, job_ids: list[str], priority: int) -> int:
+        return send_run_jobs(app, settings.model_copy(update={"served_model_name": model}), job_ids, priority)
+
+    return send
+
+
 def _send_batch_task(app: Celery, settings: Settings, name: str, batch_id: str) -> None:
     # Batch bookkeeping goes ahead of any job message that might share its queue in embedded mode.
     app.send_task(name, args=[batch_id], queue=ingest_queue(settings), priority=0)

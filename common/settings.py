@@ -11,7 +11,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, IPvAnyNetwork, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -73,12 +73,38 @@ class Settings(BaseSettings):
     max_tokens_limit: int = Field(default=4096, ge=1)
     allowed_image_formats: list[str] = Field(default_factory=lambda: ["JPEG", "PNG", "WEBP", "GIF", "BMP"])
 
+    # Remote images: image parts may be https URLs, fetched at submission and stored like uploads. Off by
+    # default: a URL chosen by a client makes this server send a request from inside its network, so every
+    # address a host resolves to must be public (common/image_fetch.py) unless listed below.
+    image_urls_enabled: bool = False
+    image_url_allow_http: bool = Field(default=False, description="Also fetch plain http:// image URLs.")
+    image_url_timeout_seconds: float = Field(default=10.0, gt=0, description="Whole fetch, redirects included.")
+    image_url_max_redirects: int = Field(default=5, ge=0)
+    image_url_allowed_networks: list[IPvAnyNetwork] = Field(
+        default_factory=list, description="Networks exempt from the public-address rule (an internal image host).")
+
+    # Image archives of native datasets (zip/tar), capped against archive bombs; a member is also capped by
+    # max_image_bytes.
+    archive_max_entries: int = Field(default=200_000, ge=1, description="Members (files, folders, links).")
+    archive_max_total_bytes: int = Field(default=2 * 1024**3, ge=1024, description="All members, uncompressed.")
+    archive_max_ratio: float = Field(default=100.0, gt=1,
+                                     description="Uncompressed/compressed size of a member or a tar stream.")
+
     # OpenAI Files and Batches. A batch input line is held whole while it is checked, so it is capped by
     # max_body_bytes like a single job's body; the file itself is streamed and capped here.
     max_file_bytes: int = Field(default=200 * 1024 * 1024, ge=1024, description="Largest POST /v1/files upload.")
     batch_priority: int = Field(default=2, ge=0, le=9, description="Priority of batch jobs (/v1/jobs default: 5).")
     ingest_chunk_rows: int = Field(default=500, ge=1, description="Input lines per ingest transaction/dispatch.")
     ingest_concurrency: int = Field(default=4, ge=1, description="Tasks a `vlmq ingest-worker` runs at once.")
+    # Fair sharing: SQL holds every queued job; the broker gets at most this many of one tenant's jobs of one
+    # model at a time (sent or running), refilled as they finish, so a tenant with a million queued rows holds
+    # a window of the queue, not all of it. Size it above the jobs all workers of a model hold in flight.
+    dispatch_window: int = Field(default=2048, ge=1, description="Jobs per tenant and model in the broker.")
+
+    # Access: bearer API keys per tenant (`vlmq apikey create --tenant NAME`). "auto" requires them except
+    # in embedded mode (in-process broker), the only mode where they may be off.
+    auth: Literal["auto", "on", "off"] = "auto"
+    auth_cache_seconds: float = Field(default=10.0, ge=0, description="How long a checked key is trusted.")
 
     @field_validator("data_dir", "storage_dir")
     @classmethod
@@ -102,11 +128,18 @@ class Settings(BaseSettings):
             self.heartbeat_seconds = self.lease_seconds / 3
         if self.heartbeat_seconds >= self.lease_seconds:
             raise ValueError("heartbeat_seconds must be shorter than lease_seconds")
+        if self.auth == "off" and not self.embedded_broker:
+            raise ValueError("auth may be off only in embedded mode (broker_url memory://); create API keys "
+                             "with `vlmq apikey create --tenant NAME`")
         return self
 
     @property
     def embedded_broker(self) -> bool:
         return self.broker_url.startswith("memory://")
+
+    @property
+    def auth_required(self) -> bool:
+        return self.auth == "on" or (self.auth == "auto" and not self.embedded_broker)
 
     @property
     def job_queue(self) -> str:

@@ -15,8 +15,9 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from common import jobs
+from common.image_cache import ImageCache
 from common.images import ImageError, inspect_image, parse_data_url
-from common.models import ImageRecord, Job, utcnow
+from common.models import DEFAULT_TENANT, ImageRecord, Job, utcnow
 from common.schemas import ChatCompletionRequest, ImagePart, JobCreate, TextPart
 from common.settings import Settings
 from common.storage import ObjectStore, image_key
@@ -93,9 +94,11 @@ def _resolve_image(url: str, session: Session, store: ObjectStore, settings: Set
 
 
 def normalize_request(
-    req: ChatCompletionRequest, session: Session, store: ObjectStore, settings: Settings
+    req: ChatCompletionRequest, session: Session, store: ObjectStore, settings: Settings,
+    images: ImageCache | None = None,
 ) -> dict[str, Any]:
-    """The job's stored request: messages with images replaced by content hashes, and sampling."""
+    """The job's stored request: messages with images replaced by content hashes, and sampling. With
+    `images` (one ingestion run's cache), an image reference met before is not resolved again."""
     messages: list[dict[str, Any]] = []
     num_images = 0
     for message in req.messages:
@@ -111,8 +114,12 @@ def normalize_request(
                 if num_images > settings.max_images_per_job:
                     raise SubmissionError(f"a job may carry at most {settings.max_images_per_job} images",
                                           400, "too_many_images")
-                parts.append({"type": "image", "image_id": _resolve_image(part.image_url.url, session, store,
-                                                                          settings)})
+                url = part.image_url.url
+                if images is None:
+                    image_id = _resolve_image(url, session, store, settings)
+                else:
+                    image_id = images.resolve(url, lambda u=url: _resolve_image(u, session, store, settings))
+                parts.append({"type": "image", "image_id": image_id})
         messages.append({"role": message.role, "content": parts})
     max_tokens = req.max_completion_tokens or req.max_tokens or 256
     if max_tokens > settings.max_tokens_limit:
@@ -152,12 +159,14 @@ def submit_job(
     idempotency_key: str | None = None,
     batch_id: str | None = None,
     custom_id: str | None = None,
+    tenant: str = DEFAULT_TENANT,
+    dispatched: bool = True,
 ) -> tuple[Job, bool]:
-    """Write a queued job; returns (job, created). With a known idempotency key, the earlier job."""
+    """Write a queued job; returns (job, created). With a known idempotency key, the tenant's earlier job."""
     if idempotency_key is not None:
         if len(idempotency_key) > 255 or not idempotency_key:
             raise SubmissionError("Idempotency-Key must be 1-255 characters", 400, "invalid_idempotency_key")
-        existing = session.scalar(select(Job).where(Job.idempotency_key == idempotency_key))
+        existing = _by_idempotency_key(session, tenant, idempotency_key)
         if existing is not None:
             return existing, False
     if isinstance(req, JobCreate):
@@ -169,10 +178,15 @@ def submit_job(
             job = jobs.create_job(
                 session, model=model, request=request, priority=priority, max_attempts=settings.max_attempts,
                 metadata=metadata, idempotency_key=idempotency_key, batch_id=batch_id, custom_id=custom_id,
+                tenant=tenant, dispatched=dispatched,
             )
     except IntegrityError:
-        existing = session.scalar(select(Job).where(Job.idempotency_key == idempotency_key))
+        existing = _by_idempotency_key(session, tenant, idempotency_key)
         if existing is None:
             raise
         return existing, False
     return job, True
+
+
+def _by_idempotency_key(session: Session, tenant: str, key: str | None) -> Job | None:
+    return session.scalar(select(Job).where(Job.tenant == tenant, Job.idempotency_key == key))

@@ -112,7 +112,7 @@ def tiny_llava_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 class ApiServer:
     """The real app under uvicorn on a loopback port, in a thread of the test process."""
 
-    def __init__(self, settings: object) -> None:
+    def __init__(self, settings: object, tenant: str = "default") -> None:
         import threading
 
         import uvicorn
@@ -120,11 +120,27 @@ class ApiServer:
         from api.main import create_app
 
         self.app = create_app(settings)  # type: ignore[arg-type]
+        self.api_key = self.make_key(tenant) if settings.auth_required else "unused"  # type: ignore[attr-defined]
+        self.headers = {"Authorization": f"Bearer {self.api_key}"}
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def make_key(self, tenant: str) -> str:
+        """A new API key of `tenant`, made as `vlmq apikey create` makes it."""
+        from common.apikeys import create_key
+
+        with self.app.state.vlmq.db.session() as session:
+            return create_key(session, tenant).key
+
+    def client(self, api_key: str | None = None, **kwargs: object):  # type: ignore[no-untyped-def]
+        """An httpx client for this server, authenticated as this server's tenant (or with `api_key`)."""
+        import httpx
+
+        headers = {"Authorization": f"Bearer {api_key or self.api_key}"}
+        return httpx.Client(base_url=self.url, headers=headers, **{"timeout": 60, **kwargs})  # type: ignore[arg-type]
 
     def __enter__(self) -> ApiServer:
         self.thread.start()

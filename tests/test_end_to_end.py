@@ -77,7 +77,7 @@ def test_twenty_jobs_through_the_service_match_hf(service_env: dict[str, str], t
                         model=str(tiny_llava_path))
     bodies = make_jobs(20)
     try:
-        with ApiServer(settings) as server, httpx.Client(base_url=server.url, timeout=60) as client:
+        with ApiServer(settings) as server, server.client() as client:
             ids = []
             for body in bodies:
                 response = client.post("/v1/jobs", json=body)

@@ -101,6 +101,7 @@ def finalize_batch(batch_id: str, db: Database, store: ObjectStore) -> str:
             final = BatchStatus.CANCELLED
         else:
             return batch.status
+        tenant = batch.tenant
     output, errors = _JsonlObject(store, output_key(batch_id)), _JsonlObject(store, error_key(batch_id))
     try:
         stopped_code = "batch_expired" if final == BatchStatus.EXPIRED else "batch_cancelled"
@@ -120,7 +121,8 @@ def finalize_batch(batch_id: str, db: Database, store: ObjectStore) -> str:
                                     ("error", error_key(batch_id), error_size)):
                 if size is not None:
                     record = add_file(session, file_id=new_file_id(), key=key, size=size,
-                                      filename=f"{batch_id}_{kind}.jsonl", purpose="batch_output")
+                                      filename=f"{batch_id}_{kind}.jsonl", purpose="batch_output",
+                                      tenant=tenant)
                     values[f"{kind}_file_id"] = record.id
             if not batches.finish(session, batch_id, final, **values):
                 raise _Lost()

@@ -8,9 +8,9 @@ Memory stays bounded whatever the file's size: lines are read from object storag
 duplicate custom_ids are found by a unique index in SQL rather than a set of every id seen.
 
 Crash safety: a chunk's job rows, its refused lines and the batch's resume point (`ingested_lines`) commit in
-one transaction, and the chunk is dispatched only after that commit. A redelivered task skips the committed
-lines and first re-sends the batch's queued jobs (a crash between commit and dispatch left them unsent;
-duplicate messages are harmless, the claim drops them).
+one transaction. Job rows are written unsent; after each chunk, common.dispatch tops up the tenant's window
+of the model's queue (fair sharing between tenants), and later top-ups happen as jobs finish. A redelivered
+task skips the committed lines and tops up first (a crash between commit and dispatch left rows unsent).
 """
 
 from __future__ import annotations
@@ -18,16 +18,17 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import insert, select
 from sqlalchemy.orm import Session
 
-from common import batches
+from common import batches, dispatch
 from common.batch_input import LineError, duplicate_error, iter_lines, parse_line
 from common.db import Database
 from common.files import open_reader
+from common.image_cache import ImageCache
 from common.models import Batch, BatchLineError, BatchStatus, FileRecord, Job, JobStatus, new_id, utcnow
 from common.settings import Settings
 from common.storage import ObjectNotFound, ObjectStore
@@ -68,10 +69,13 @@ class _Run:
     """One ingestion of one batch."""
 
     batch_id: str
+    tenant: str
     model_settings: Settings  # the batch's model: its job queue and the model lines may name
     refused_ids: set[str]  # custom_ids of refused lines: a later line reusing one is a duplicate
     has_images: bool = False  # a native dataset: lines may name archive members by path
     images_root: str | None = None
+    # Image references already resolved in this run: an image reused by many lines is checked once.
+    images: ImageCache = field(default_factory=ImageCache)
 
 
 def ingest_batch(batch_id: str, deps: IngestDeps) -> str:
@@ -90,7 +94,7 @@ def ingest_batch(batch_id: str, deps: IngestDeps) -> str:
         resume_after, input_file_id = batch.ingested_lines, batch.input_file_id
         images_file_id, images_indexed = batch.images_file_id, batch.images_indexed_at is not None
         # Jobs go to the queue of the model the batch was created for, not whatever this process serves.
-        run = _Run(batch_id, deps.settings.model_copy(update={"served_model_name": batch.model}),
+        run = _Run(batch_id, batch.tenant, deps.settings.model_copy(update={"served_model_name": batch.model}),
                    _refused_ids(session, batch_id) if resume_after else set(), images_file_id is not None)
     if key is None:
         return _fail(deps, batch_id, "file_not_found", f"input file {input_file_id!r} no longer exists")
@@ -106,7 +110,7 @@ def ingest_batch(batch_id: str, deps: IngestDeps) -> str:
         run.images_root = batch.images_root
     if resume_after:
         log.info("batch %s: resuming ingestion after line %d", batch_id, resume_after)
-        _redispatch(deps, run.model_settings, batch_id)
+        _top_up(deps, run)
     try:
         chunks = open_reader(deps.store, key)
     except ObjectNotFound:
@@ -125,7 +129,7 @@ def ingest_batch(batch_id: str, deps: IngestDeps) -> str:
         except DatasetError as exc:  # a CSV manifest whose header is unusable
             return _fail(deps, batch_id, "invalid_manifest", str(exc))
         if result.job_ids:
-            deps.dispatch(run.model_settings, result.job_ids, deps.settings.batch_priority)
+            _top_up(deps, run)
         if result.exhausted:
             break
         done_line = result.last_line
@@ -152,7 +156,8 @@ def _ingest_chunk(
         custom_id, request = accepted
         line_of[custom_id] = number
         rows.append({
-            "id": new_id("job"), "status": JobStatus.QUEUED, "model": run.model_settings.served_model_name,
+            "id": new_id("job"), "tenant": run.tenant, "dispatched_at": None,
+            "status": JobStatus.QUEUED, "model": run.model_settings.served_model_name,
             "priority": settings.batch_priority, "request": request, "metadata_": None, "idempotency_key": None,
             "batch_id": run.batch_id, "custom_id": custom_id, "attempts": 0, "max_attempts": settings.max_attempts,
             "created_at": now,
@@ -189,7 +194,7 @@ def _accept(
         return missing
     try:
         resolve_model(req.model, run.model_settings)
-        return custom_id, normalize_request(req, session, deps.store, deps.settings)
+        return custom_id, normalize_request(req, session, deps.store, deps.settings, run.images)
     except SubmissionError as exc:
         return LineError(number, custom_id, exc.code, f"line {number}: {exc}")
 
@@ -205,12 +210,11 @@ def _refused_ids(session: Session, batch_id: str) -> set[str]:
     return {cid for cid in session.scalars(stmt) if cid}
 
 
-def _redispatch(deps: IngestDeps, model_settings: Settings, batch_id: str) -> None:
-    with deps.db.session() as session:
-        stmt = (select(Job.id).where(Job.batch_id == batch_id, Job.status == JobStatus.QUEUED)
-                .execution_options(yield_per=deps.settings.ingest_chunk_rows))
-        for part in session.scalars(stmt).partitions():
-            deps.dispatch(model_settings, list(part), deps.settings.batch_priority)
+def _top_up(deps: IngestDeps, run: _Run) -> None:
+    def send(model: str, job_ids: list[str], priority: int) -> None:
+        deps.dispatch(run.model_settings, job_ids, priority)
+
+    dispatch.top_up(deps.db, run.tenant, run.model_settings.served_model_name, deps.settings.dispatch_window, send)
 
 
 def _fail(deps: IngestDeps, batch_id: str, code: str, message: str) -> str:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from celery import Celery, Task
 
-from common import batches
+from common import batches, dispatch, jobs
 from common.db import Database, get_database
 from common.queue import (
     TASK_CANCEL_BATCH,
@@ -22,6 +22,7 @@ from common.queue import (
     TASK_RUN_JOB,
     TASK_SWEEP_BATCHES,
     app_settings,
+    model_sender,
     send_finalize_batch,
     send_run_jobs,
 )
@@ -123,10 +124,17 @@ def register_tasks(app: Celery) -> None:
 
     @app.task(name=TASK_SWEEP_BATCHES, bind=True, acks_late=True)
     def sweep_batches(self: Task) -> int:
-        """Periodic (beat): expire batches past their window, and finalize those a trigger missed."""
+        """Periodic (beat): requeue jobs whose worker died, top up every tenant's dispatch window, expire
+        batches past their window, and finalize those a trigger missed."""
         from worker.finalize import due_batches, expire_batch, expire_due
 
         ctx = batch_context(app)
+        with ctx.db.session() as session:
+            reaped = jobs.reap(session)
+        if reaped[jobs.JobStatus.QUEUED] or reaped[jobs.JobStatus.DEAD]:
+            log.info("reaped expired leases: %d requeued, %d dead", len(reaped[jobs.JobStatus.QUEUED]),
+                     len(reaped[jobs.JobStatus.DEAD]))
+        dispatch.top_up_all(ctx.db, ctx.settings.dispatch_window, model_sender(app, ctx.settings))
         for batch_id in expire_due(ctx.db):
             log.info("batch %s expired: %d open jobs cancelled", batch_id, expire_batch(batch_id, ctx.db))
         due = due_batches(ctx.db)
@@ -136,12 +144,17 @@ def register_tasks(app: Celery) -> None:
 
 
 def _after_job(app: Celery, db: Database, settings: Settings, job_id: str) -> None:
-    """Send finalize_batch when this job was the last open one of its batch.
+    """Refill the tenant's dispatch window, and send finalize_batch when this job was the last open one of
+    its batch.
 
     Checked here, right after each job ends, rather than only by a periodic sweep: a batch completes as
     soon as its last job does, and the check is one indexed query. A job that ends elsewhere (reaped to
     `dead`) is caught by the sweep task. Several last jobs ending together may each send it; finalization
     is idempotent."""
+    try:
+        dispatch.top_up_after_job(db, job_id, settings.dispatch_window, model_sender(app, settings))
+    except Exception:
+        log.exception("dispatch top-up after job %s failed", job_id)  # the sweep tops up later
     try:
         with db.session() as session:
             batch_id = batches.ready_after_job(session, job_id)

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from api.auth import TenantDep
 from api.deps import AppState, SessionDep, StateDep
 from api.routes.files import list_page
 from common import batches
@@ -56,16 +57,16 @@ def _check(body: BatchCreate) -> None:
                                   f"{MAX_METADATA_VALUE} (key {key[:80]!r})")
 
 
-def _get(session: Session, batch_id: str) -> Batch:
+def _get(session: Session, tenant: str, batch_id: str) -> Batch:
     batch = session.get(Batch, batch_id)
-    if batch is None:
+    if batch is None or batch.tenant != tenant:
         raise HTTPException(404, f"no such batch: {batch_id!r}")
     return batch
 
 
-def _input_file(session: Session, file_id: str, param: str) -> FileRecord:
+def _input_file(session: Session, tenant: str, file_id: str, param: str) -> FileRecord:
     record = session.get(FileRecord, file_id)
-    if record is None:
+    if record is None or record.tenant != tenant:
         raise SubmissionError(f"{param} {file_id!r}: no such file (upload it with POST /v1/files, "
                               "purpose='batch')", 404, "not_found")
     if record.purpose != "batch":
@@ -74,17 +75,17 @@ def _input_file(session: Session, file_id: str, param: str) -> FileRecord:
     return record
 
 
-def create(state: AppState, body: BatchCreate) -> dict[str, Any]:
+def create(state: AppState, tenant: str, body: BatchCreate) -> dict[str, Any]:
     """Check the request, write the batch row, send its ingestion; the new batch object."""
     _check(body)
     model = resolve_model(None, state.settings)  # 503 when this deployment serves no model
     with state.db.session() as session:
-        record = _input_file(session, body.input_file_id, "input_file_id")
+        record = _input_file(session, tenant, body.input_file_id, "input_file_id")
         if body.images_file_id is not None:
-            _input_file(session, body.images_file_id, "images_file_id")
+            _input_file(session, tenant, body.images_file_id, "images_file_id")
         batch = batches.create_batch(session, input_file_id=record.id, endpoint=body.endpoint,
                                      completion_window=body.completion_window, model=model,
-                                     metadata=body.metadata, images_file_id=body.images_file_id)
+                                     metadata=body.metadata, images_file_id=body.images_file_id, tenant=tenant)
         batch_id = batch.id
     try:
         send_ingest_batch(state.celery, state.settings, batch_id)
@@ -97,37 +98,39 @@ def create(state: AppState, body: BatchCreate) -> dict[str, Any]:
         raise HTTPException(503, "the task queue is unavailable; retry shortly",
                             headers={"Retry-After": "5"}) from None
     with state.db.session() as session:
-        return batches.batch_view(session, _get(session, batch_id))
+        return batches.batch_view(session, _get(session, tenant, batch_id))
 
 
 @router.post("")
-def create_batch(body: BatchCreate, state: StateDep) -> dict[str, Any]:
-    return create(state, body)
+def create_batch(body: BatchCreate, state: StateDep, tenant: TenantDep) -> dict[str, Any]:
+    return create(state, tenant, body)
 
 
 @router.get("")
 def list_batches(
     session: SessionDep,
+    tenant: TenantDep,
     limit: int = Query(default=20, ge=1, le=100),
     after: str | None = Query(default=None, description="Cursor: the last_id of the previous page."),
 ) -> dict[str, Any]:
-    stmt = select(Batch).order_by(Batch.id.desc()).limit(limit + 1)  # ids are time-ordered: newest first
+    # Ids are time-ordered: newest first.
+    stmt = select(Batch).where(Batch.tenant == tenant).order_by(Batch.id.desc()).limit(limit + 1)
     if after:
         stmt = stmt.where(Batch.id < after)
     return list_page(list(session.scalars(stmt)), limit, lambda b: batches.batch_view(session, b))
 
 
 @router.get("/{batch_id}")
-def retrieve_batch(batch_id: str, session: SessionDep) -> dict[str, Any]:
-    return batches.batch_view(session, _get(session, batch_id))
+def retrieve_batch(batch_id: str, session: SessionDep, tenant: TenantDep) -> dict[str, Any]:
+    return batches.batch_view(session, _get(session, tenant, batch_id))
 
 
 @router.post("/{batch_id}/cancel")
-def cancel_batch(batch_id: str, state: StateDep) -> dict[str, Any]:
+def cancel_batch(batch_id: str, state: StateDep, tenant: TenantDep) -> dict[str, Any]:
     """Queued requests are cancelled, running ones finish; the batch ends `cancelled` with files for what
     finished."""
     with state.db.session() as session:
-        batch = _get(session, batch_id)
+        batch = _get(session, tenant, batch_id)
         if not batches.request_cancel(session, batch_id):
             session.refresh(batch)
             if batch.status not in (BatchStatus.CANCELLING, BatchStatus.CANCELLED):
@@ -139,4 +142,4 @@ def cancel_batch(batch_id: str, state: StateDep) -> dict[str, Any]:
         # The batch is `cancelling` in SQL; the next finalize trigger or the sweep still ends it.
         log.exception("could not dispatch cancellation of batch %s", batch_id)
     with state.db.session() as session:
-        return batches.batch_view(session, _get(session, batch_id))
+        return batches.batch_view(session, _get(session, tenant, batch_id))

@@ -14,6 +14,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
+from api.auth import TenantDep
 from api.deps import AppState, StateDep
 from api.routes.batches import BatchCreate, create
 from api.routes.files import add_uploaded, content_type
@@ -63,7 +64,7 @@ def _body(fields: dict[str, str], manifest_id: str, images_id: str | None) -> Ba
 
 
 @router.post("", openapi_extra=_DOC)
-async def create_dataset_batch(request: Request, state: StateDep) -> JSONResponse:
+async def create_dataset_batch(request: Request, state: StateDep, tenant: TenantDep) -> JSONResponse:
     if content_type(request) != "multipart/form-data":
         raise HTTPException(415, "send multipart/form-data with a 'manifest' file and an 'images' archive")
     ids = {"manifest": new_file_id(), "images": new_file_id()}
@@ -75,8 +76,8 @@ async def create_dataset_batch(request: Request, state: StateDep) -> JSONRespons
             raise SubmissionError("multipart field 'manifest' (the JSONL or CSV file) is required")
         body = _body(upload.fields, ids["manifest"], ids["images"] if "images" in upload.files else None)
         for name, uploaded in upload.files.items():
-            await run_in_threadpool(add_uploaded, state, ids[name], uploaded)
-        view: dict[str, Any] = await run_in_threadpool(create, state, body)
+            await run_in_threadpool(add_uploaded, state, tenant, ids[name], uploaded)
+        view: dict[str, Any] = await run_in_threadpool(create, state, tenant, body)
     except BaseException:
         await run_in_threadpool(_discard, state, received)
         raise

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
+from api.auth import TenantDep
 from api.deps import AppState, SessionDep, StateDep
 from api.upload import UploadedFile, receive_upload
 from common.files import add_file, file_key, file_view, open_reader
@@ -39,17 +40,17 @@ def list_page(items: Sequence[Any], limit: int, view: Any) -> dict[str, Any]:
             "last_id": page[-1].id if page else None, "has_more": len(items) > limit}
 
 
-def get_file(session: Session, file_id: str) -> FileRecord:
+def get_file(session: Session, tenant: str, file_id: str) -> FileRecord:
     record = session.get(FileRecord, file_id)
-    if record is None:
+    if record is None or record.tenant != tenant:
         raise HTTPException(404, f"no such file: {file_id!r}")
     return record
 
 
-def add_uploaded(state: AppState, file_id: str, uploaded: UploadedFile) -> dict[str, Any]:
+def add_uploaded(state: AppState, tenant: str, file_id: str, uploaded: UploadedFile) -> dict[str, Any]:
     with state.db.session() as session:
         return file_view(add_file(session, file_id=file_id, key=uploaded.key, size=uploaded.size,
-                                  filename=uploaded.filename, purpose="batch"))
+                                  filename=uploaded.filename, purpose="batch", tenant=tenant))
 
 
 def content_type(request: Request) -> str:
@@ -57,7 +58,7 @@ def content_type(request: Request) -> str:
 
 
 @router.post("", openapi_extra=_UPLOAD_DOC)
-async def create_file(request: Request, state: StateDep) -> JSONResponse:
+async def create_file(request: Request, state: StateDep, tenant: TenantDep) -> JSONResponse:
     """Multipart `file` + `purpose=batch`. The file is streamed to object storage as it arrives."""
     if content_type(request) != "multipart/form-data":
         raise HTTPException(415, f"unsupported content type {content_type(request) or '(none)'!r}: upload the file "
@@ -73,12 +74,13 @@ async def create_file(request: Request, state: StateDep) -> JSONResponse:
         if "file" in upload.files:
             await run_in_threadpool(state.store.delete, file_key(file_id))
         raise SubmissionError(problem)
-    return JSONResponse(await run_in_threadpool(add_uploaded, state, file_id, upload.files["file"]))
+    return JSONResponse(await run_in_threadpool(add_uploaded, state, tenant, file_id, upload.files["file"]))
 
 
 @router.get("")
 def list_files(
     session: SessionDep,
+    tenant: TenantDep,
     purpose: str | None = None,
     limit: int = Query(default=10000, ge=1, le=10000),
     order: Literal["asc", "desc"] = "desc",
@@ -86,6 +88,7 @@ def list_files(
 ) -> dict[str, Any]:
     # Ids are time-ordered, so ordering by id is ordering by created_at.
     stmt = select(FileRecord).order_by(FileRecord.id.desc() if order == "desc" else FileRecord.id).limit(limit + 1)
+    stmt = stmt.where(FileRecord.tenant == tenant)
     if purpose is not None:
         stmt = stmt.where(FileRecord.purpose == purpose)
     if after:
@@ -94,14 +97,14 @@ def list_files(
 
 
 @router.get("/{file_id}")
-def retrieve_file(file_id: str, session: SessionDep) -> dict[str, Any]:
-    return file_view(get_file(session, file_id))
+def retrieve_file(file_id: str, session: SessionDep, tenant: TenantDep) -> dict[str, Any]:
+    return file_view(get_file(session, tenant, file_id))
 
 
 @router.get("/{file_id}/content")
-def file_content(file_id: str, session: SessionDep, state: StateDep) -> StreamingResponse:
+def file_content(file_id: str, session: SessionDep, state: StateDep, tenant: TenantDep) -> StreamingResponse:
     """The file's bytes, streamed from object storage."""
-    record = get_file(session, file_id)
+    record = get_file(session, tenant, file_id)
     try:
         chunks = open_reader(state.store, record.object_key)
     except ObjectNotFound:
@@ -113,9 +116,9 @@ def file_content(file_id: str, session: SessionDep, state: StateDep) -> Streamin
 
 
 @router.delete("/{file_id}")
-def delete_file(file_id: str, state: StateDep) -> dict[str, Any]:
+def delete_file(file_id: str, state: StateDep, tenant: TenantDep) -> dict[str, Any]:
     with state.db.session() as session:
-        record = get_file(session, file_id)
+        record = get_file(session, tenant, file_id)
         busy = session.scalar(select(Batch.id).where(or_(Batch.input_file_id == file_id,
                                                          Batch.images_file_id == file_id),
                                                      Batch.status == BatchStatus.VALIDATING).limit(1))

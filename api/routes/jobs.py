@@ -14,10 +14,11 @@ from pydantic import ValidationError
 from sqlalchemy import select
 from starlette.datastructures import UploadFile
 
+from api.auth import TenantDep
 from api.deps import AppState, SessionDep, StateDep
-from common import jobs
+from common import batches, dispatch, jobs
 from common.models import Job, JobStatus
-from common.queue import send_run_job
+from common.queue import send_finalize_batch, send_run_job
 from common.schemas import JobCreate, JobList, JobView
 from common.storage import ObjectNotFound
 from common.submission import SubmissionError, image_public_id, store_image, submit_job
@@ -91,16 +92,24 @@ def _store(state: AppState, data: bytes) -> str:
         return store_image(session, state.store, data, state.settings).id
 
 
-def _create(state: AppState, req: JobCreate, idempotency_key: str | None) -> tuple[JobView, bool, int]:
+def _create(state: AppState, tenant: str, req: JobCreate, idempotency_key: str | None
+            ) -> tuple[JobView, bool, int]:
     with state.db.session() as session:
-        job, created = submit_job(session, state.store, state.settings, req, idempotency_key=idempotency_key)
+        job, created = submit_job(session, state.store, state.settings, req, idempotency_key=idempotency_key,
+                                  tenant=tenant)
         view, priority = job_view(job), job.priority
     return view, created, priority
 
 
+def _undispatch(state: AppState, job_id: str) -> None:
+    with state.db.session() as session:
+        dispatch.mark_unsent(session, [job_id])
+
+
 @router.post("", status_code=202, response_model=JobView)
 async def create_job(
-    request: Request, state: StateDep, idempotency_key: str | None = Header(default=None, alias="Idempotency-Key")
+    request: Request, state: StateDep, tenant: TenantDep,
+    idempotency_key: str | None = Header(default=None, alias="Idempotency-Key"),
 ) -> JSONResponse:
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if content_type == "application/json":
@@ -110,24 +119,29 @@ async def create_job(
     else:
         raise HTTPException(415, f"unsupported content type {content_type or '(none)'!r}: send application/json "
                                  "(a chat-completions body) or multipart/form-data (prompt + image files)")
-    view, created, priority = await run_in_threadpool(_create, state, req, idempotency_key)
+    view, created, priority = await run_in_threadpool(_create, state, tenant, req, idempotency_key)
     if created:
         try:
             await run_in_threadpool(send_run_job, state.celery, state.settings, view.id, priority)
         except Exception:
-            # The job is durable in SQL as `queued`; the republisher sends it again once the broker is back.
+            # The job is durable in SQL as `queued`; marked unsent, the next dispatch sweep sends it.
             log.exception("could not dispatch job %s", view.id)
+            try:
+                await run_in_threadpool(_undispatch, state, view.id)
+            except Exception:
+                log.exception("could not mark job %s unsent", view.id)
     return JSONResponse(view.model_dump(mode="json"), status_code=202 if created else 200)
 
 
 @router.get("", response_model=JobList)
 def list_jobs(
     session: SessionDep,
+    tenant: TenantDep,
     status: JobStatus | None = None,
     limit: int = Query(default=20, ge=1, le=100),
     after: str | None = Query(default=None, description="Cursor: the next_cursor of the previous page."),
 ) -> JobList:
-    stmt = select(Job).order_by(Job.id.desc()).limit(limit + 1)
+    stmt = select(Job).where(Job.tenant == tenant).order_by(Job.id.desc()).limit(limit + 1)
     if status is not None:
         stmt = stmt.where(Job.status == status)
     if after:
@@ -139,33 +153,50 @@ def list_jobs(
                    next_cursor=page[-1].id if has_more and page else None)
 
 
-def _get_job(session: Any, job_id: str) -> Job:
+def _get_job(session: Any, tenant: str, job_id: str) -> Job:
     job = session.get(Job, job_id)
-    if job is None:
+    if job is None or job.tenant != tenant:  # another tenant's job does not exist for this one
         raise HTTPException(404, f"job {job_id!r} not found")
     return job
 
 
 @router.get("/{job_id}", response_model=JobView)
-def get_job(job_id: str, session: SessionDep) -> JobView:
-    return job_view(_get_job(session, job_id))
+def get_job(job_id: str, session: SessionDep, tenant: TenantDep) -> JobView:
+    return job_view(_get_job(session, tenant, job_id))
 
 
 @router.post("/{job_id}/cancel", response_model=JobView)
-def cancel_job(job_id: str, session: SessionDep) -> JobView:
-    job = _get_job(session, job_id)
-    if not jobs.cancel(session, job_id):
+def cancel_job(job_id: str, state: StateDep, tenant: TenantDep) -> JobView:
+    with state.db.session() as session:
+        job = _get_job(session, tenant, job_id)
+        batch_id = job.batch_id
+        if not jobs.cancel(session, job_id):
+            session.refresh(job)
+            if job.status != JobStatus.CANCELLED:
+                raise HTTPException(409, f"job {job_id!r} is already {job.status} and cannot be cancelled")
         session.refresh(job)
-        if job.status != JobStatus.CANCELLED:
-            raise HTTPException(409, f"job {job_id!r} is already {job.status} and cannot be cancelled")
-    session.refresh(job)
-    return job_view(job)
+        view = job_view(job)
+    if batch_id is not None:
+        # The batch may have been waiting on this job alone.
+        _after_batch_job_cancel(state, batch_id)
+    return view
+
+
+def _after_batch_job_cancel(state: AppState, batch_id: str) -> None:
+    try:
+        with state.db.session() as session:
+            ready = not batches.has_open_jobs(session, batch_id)
+        if ready:
+            send_finalize_batch(state.celery, state.settings, batch_id)
+    except Exception:
+        # The job is cancelled either way; the periodic sweep finalizes the batch.
+        log.exception("finalize check after cancelling a job of batch %s failed", batch_id)
 
 
 @router.get("/{job_id}/result")
-def get_result(job_id: str, session: SessionDep, state: StateDep) -> Response:
+def get_result(job_id: str, session: SessionDep, state: StateDep, tenant: TenantDep) -> Response:
     """The full chat.completion object the worker stored."""
-    job = _get_job(session, job_id)
+    job = _get_job(session, tenant, job_id)
     if job.status != JobStatus.SUCCEEDED or not job.result_key:
         raise HTTPException(409, f"job {job_id!r} is {job.status}; a result exists only once it has succeeded")
     try:

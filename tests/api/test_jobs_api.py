@@ -44,7 +44,7 @@ def settings(service_env: dict[str, str]) -> Settings:
 
 @pytest.fixture(scope="module")
 def api(settings: Settings) -> Iterator[httpx.Client]:
-    with ApiServer(settings) as server, httpx.Client(base_url=server.url, timeout=30) as client:
+    with ApiServer(settings) as server, server.client(timeout=30) as client:
         yield client
 
 

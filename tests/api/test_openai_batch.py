@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import boto3
-import httpx
 import openai
 import pytest
 import torch
@@ -45,10 +44,11 @@ FINAL = ("completed", "failed", "cancelled", "expired")
 
 
 class Stack:
-    def __init__(self, url: str, settings: Settings, env: dict[str, str], ingest_pid: int) -> None:
-        self.url, self.settings, self.env, self.ingest_pid = url, settings, env, ingest_pid
-        self.client = OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
-        self.http = httpx.Client(base_url=url, timeout=60)
+    def __init__(self, server: ApiServer, settings: Settings, env: dict[str, str], ingest_pid: int) -> None:
+        self.url, self.settings, self.env, self.ingest_pid = server.url, settings, env, ingest_pid
+        self.server = server
+        self.client = OpenAI(base_url=server.url + "/v1", api_key=server.api_key, max_retries=0, timeout=60)
+        self.http = server.client()
 
     def upload(self, lines: list[str], name: str = "batch.jsonl") -> str:
         return self.client.files.create(file=(name, ("\n".join(lines) + "\n").encode()), purpose="batch").id
@@ -97,7 +97,7 @@ def stack(service_env: dict[str, str], tiny_llava_path: Path, tmp_path_factory: 
                         model=str(tiny_llava_path), max_file_bytes=MAX_FILE_BYTES)
     try:
         with ApiServer(settings) as server:
-            yield Stack(server.url, settings, env, procs[0].pid)
+            yield Stack(server, settings, env, procs[0].pid)
     finally:
         for proc in procs:
             proc.terminate()
@@ -205,7 +205,7 @@ def test_cancel_keeps_finished_results_and_single_jobs_outrank_batches(stack: St
     assert done.status == "cancelled" and done.cancelled_at, done
     output = stack.jsonl(done.output_file_id) if done.output_file_id else []
     errors = stack.jsonl(done.error_file_id)
-    assert {e["error"]["code"] for e in errors} == {"batch_cancelled"}
+    assert {e["error"]["code"] for e in errors} == {"batch_cancelled"}, errors
     # Every request is in exactly one file; the single job, sent after the batch, ran before these.
     assert sorted(x["custom_id"] for x in output + errors) == sorted(f"slow-{i}" for i in range(40))
     assert done.request_counts.completed == len(output) < 40  # type: ignore[union-attr]
@@ -293,9 +293,14 @@ def test_cli_batch_submit_wait_status_results(stack: Stack, tmp_path: Path) -> N
                         "missing,nope.png,1\n")
     env = {**stack.env, "VLMQ_API_URL": stack.url}
 
-    def vlmq(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "common.cli", "batch", *args], env=env, capture_output=True,
+    def vlmq(*args: str, group: str = "batch") -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "common.cli", group, *args], env=env, capture_output=True,
                               text=True, timeout=120)
+
+    assert vlmq("submit", str(manifest)).returncode == 1  # no key: the API refuses
+    created = vlmq("create", "--tenant", "cli-user", "--name", "laptop", group="apikey")
+    assert created.returncode == 0, created.stderr
+    env["VLMQ_API_KEY"] = created.stdout.strip()
 
     submitted = vlmq("submit", str(manifest), "--images", str(photos), "--wait", "--metadata", "by=cli")
     assert submitted.returncode == 0, submitted.stderr[-2000:]

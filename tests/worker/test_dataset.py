@@ -44,7 +44,8 @@ def upload(db: Database, store: ObjectStore, data: bytes, filename: str) -> str:
     file_id = new_file_id()
     store.put(file_key(file_id), data)
     with db.session() as session:
-        add_file(session, file_id=file_id, key=file_key(file_id), size=len(data), filename=filename, purpose="batch")
+        add_file(session, file_id=file_id, key=file_key(file_id), size=len(data), filename=filename, purpose="batch",
+                 tenant="default")
     return file_id
 
 

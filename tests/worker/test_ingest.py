@@ -78,7 +78,7 @@ def make_batch(db: Database, store: ObjectStore, data: bytes) -> str:
     store.put(file_key(file_id), data)
     with db.session() as session:
         add_file(session, file_id=file_id, key=file_key(file_id), size=len(data), filename="in.jsonl",
-                 purpose="batch")
+                 purpose="batch", tenant="default")
         return batches.create_batch(session, input_file_id=file_id, endpoint="/v1/chat/completions",
                                     completion_window="24h", model=MODEL, metadata=None).id
 
@@ -146,17 +146,20 @@ def test_ingest_resumes_after_a_crash_without_duplicates(settings: Settings, db:
                                                          store: ObjectStore) -> None:
     data = ("\n".join(line(f"r{i}") for i in range(8)) + "\n{bad\n").encode()
     batch_id = make_batch(db, store, data)
+    first = Recorder(fail_on_call=2)
     with pytest.raises(ConnectionError):  # chunk 2 committed, then its dispatch failed
-        ingest_batch(batch_id, IngestDeps(settings, db, store, Recorder(fail_on_call=2)))
+        ingest_batch(batch_id, IngestDeps(settings, db, store, first))
     batch = get_batch(db, batch_id)
     assert batch.status == "validating" and batch.ingested_lines == 6
+    assert len(first.sent) == 3 and all(j.dispatched_at is None for j in batch_jobs(db, batch_id)[3:])
     again = Recorder()
     assert ingest_batch(batch_id, IngestDeps(settings, db, store, again)) == "in_progress"
     created = batch_jobs(db, batch_id)
     assert sorted(j.custom_id or "" for j in created) == [f"r{i}" for i in range(8)]
     assert line_errors(db, batch_id) == [(9, None, "invalid_json")]
-    # The queued jobs of the committed chunks were sent again (duplicates are dropped by the claim).
-    assert set(again.sent) == {j.id for j in created}
+    # The failed send left chunk 2 unsent, so the resumed run sent it: every job exactly once.
+    assert sorted(first.sent + again.sent) == sorted(j.id for j in created)
+    assert all(j.dispatched_at is not None for j in created)
     assert get_batch(db, batch_id).total_requests == 9
 
 
