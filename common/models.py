@@ -83,6 +83,8 @@ class Job(Base):
     __table_args__ = (
         Index("ix_jobs_status_lease_until", "status", "lease_until"),
         Index("ix_jobs_batch_id_status", "batch_id", "status"),
+        # A running batch's recent completion rate (its ETA) is a range of this index.
+        Index("ix_jobs_batch_id_finished_at", "batch_id", "finished_at"),
         # One job per custom_id within a batch: ingestion detects duplicates across chunks with
         # INSERT .. ON CONFLICT DO NOTHING instead of a set of every id seen (bounded memory).
         Index("ux_jobs_batch_id_custom_id", "batch_id", "custom_id", unique=True),

@@ -1,5 +1,5 @@
-"""tenants and fair dispatch: API keys, a tenant on jobs, batches and files, jobs.dispatched_at, and
-Idempotency-Keys unique per tenant instead of globally
+"""tenants and fair dispatch: API keys, a tenant on jobs, batches and files, jobs.dispatched_at,
+Idempotency-Keys unique per tenant instead of globally, and an index for batches' completion rates
 
 Rows written before tenants existed belong to the `default` tenant. Jobs already queued or running were sent
 to the broker when they were written, so they count as dispatched.
@@ -52,6 +52,7 @@ def upgrade() -> None:
         batch_op.create_index('ix_jobs_dispatch', ['tenant', 'model', 'status', 'dispatched_at', 'id'],
                               unique=False)
         batch_op.create_index('ux_jobs_tenant_idempotency_key', ['tenant', 'idempotency_key'], unique=True)
+        batch_op.create_index('ix_jobs_batch_id_finished_at', ['batch_id', 'finished_at'], unique=False)
     jobs = sa.table('jobs', sa.column('status', sa.String), sa.column('created_at', sa.DateTime(timezone=True)),
                     sa.column('dispatched_at', sa.DateTime(timezone=True)))
     op.execute(jobs.update().where(jobs.c.status.in_(('queued', 'running')))
@@ -60,6 +61,7 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     with op.batch_alter_table('jobs', schema=None) as batch_op:
+        batch_op.drop_index('ix_jobs_batch_id_finished_at')
         batch_op.drop_index('ux_jobs_tenant_idempotency_key')
         batch_op.drop_index('ix_jobs_dispatch')
         batch_op.create_unique_constraint('jobs_idempotency_key_key', ['idempotency_key'])

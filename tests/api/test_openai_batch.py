@@ -85,7 +85,10 @@ class Stack:
 def stack(service_env: dict[str, str], tiny_llava_path: Path, tmp_path_factory: pytest.TempPathFactory
           ) -> Iterator[Stack]:
     env = {**os.environ, **service_env, "OMP_NUM_THREADS": "2", "VLMQ_WORKER_CONCURRENCY": "8",
-           "VLMQ_MAX_FILE_BYTES": str(MAX_FILE_BYTES), "VLMQ_INGEST_CHUNK_ROWS": "10"}
+           "VLMQ_MAX_FILE_BYTES": str(MAX_FILE_BYTES), "VLMQ_INGEST_CHUNK_ROWS": "10",
+           # A window a little above the worker's 8 jobs in flight: one tenant keeps it busy, a second one
+           # gets its turn within ~12 jobs.
+           "VLMQ_DISPATCH_WINDOW": "12"}
     logs = tmp_path_factory.mktemp("batch-logs")
     procs = []
     for name, args, extra in (("ingest", ["ingest-worker"], {}),
@@ -175,6 +178,33 @@ def test_batch_through_the_openai_client_matches_hf(stack: Stack, tiny_llava_pat
         assert completion["usage"]["completion_tokens"] == n_completion
     assert ties <= 1
     assert done.usage is not None and (done.usage.input_tokens, done.usage.output_tokens) == tuple(usage)
+
+
+def test_two_tenants_share_the_worker_and_batches_show_an_eta(stack: Stack) -> None:
+    other = OpenAI(base_url=stack.url + "/v1", api_key=stack.server.make_key("tenant-b"), max_retries=0)
+    big = stack.run([request_line(f"a{i}", text_body(f"tenant a row {i}", max_tokens=24)) for i in range(60)])
+    stack.wait(big.id, ("in_progress", *FINAL))
+    file_id = other.files.create(file=("b.jsonl", "\n".join(
+        request_line(f"b{i}", text_body(f"tenant b row {i}", max_tokens=24)) for i in range(6)).encode()),
+        purpose="batch").id
+    small = other.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+    eta_seen = False
+    deadline = time.monotonic() + 120
+    while (done := other.batches.retrieve(small.id)).status not in FINAL:
+        assert time.monotonic() < deadline
+        running = stack.client.batches.retrieve(big.id).model_dump()
+        eta_seen |= running["status"] == "in_progress" and running["estimated_completion_at"] is not None
+        time.sleep(0.1)
+    assert done.status == "completed" and done.request_counts.completed == 6  # type: ignore[union-attr]
+    # Tenant b's 6 rows ran alongside tenant a's, not after all 60 of them.
+    first = stack.client.batches.retrieve(big.id)
+    assert first.request_counts.completed <= 40, first.request_counts  # type: ignore[union-attr]
+    finished = stack.wait(big.id).model_dump()
+    assert finished["status"] == "completed" and finished["request_counts"]["completed"] == 60
+    assert finished["estimated_completion_at"] is None
+    assert eta_seen and finished["completion_rate"] is None
+    with pytest.raises(openai.NotFoundError):  # and neither sees the other's batch
+        other.batches.retrieve(big.id)
 
 
 def test_each_distinct_image_is_stored_once(stack: Stack) -> None:

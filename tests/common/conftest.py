@@ -22,4 +22,5 @@ def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Database]:
     with database.session() as session:
         session.execute(text("DELETE FROM jobs"))
         session.execute(text("DELETE FROM images"))
+        session.execute(text("DELETE FROM api_keys"))
     database.dispose()

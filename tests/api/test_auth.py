@@ -1,0 +1,111 @@
+"""Access over real HTTP: bearer keys on every /v1 route, and tenants that cannot see each other's things.
+
+Another tenant's job, file or batch answers 404 exactly like one that does not exist, so ids leak nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+from openai import OpenAI
+from pydantic import ValidationError
+
+from common.settings import Settings
+from tests.api.test_jobs_api import MODEL, chat_body
+from tests.conftest import ApiServer, settings_from_env
+
+
+@pytest.fixture(scope="module")
+def server(service_env: dict[str, str]) -> Iterator[ApiServer]:
+    # A cache of 0 s: a revoked key stops working at once (the default trusts a checked key for 10 s).
+    settings = settings_from_env(service_env, model=f"/models/{MODEL}", auth_cache_seconds=0)
+    with ApiServer(settings, tenant="acme") as api:
+        yield api
+
+
+def test_every_v1_route_needs_a_key(server: ApiServer) -> None:
+    with httpx.Client(base_url=server.url, timeout=30) as anonymous:
+        assert anonymous.get("/healthz").status_code == 200  # probes stay open
+        for method, path in (("GET", "/v1/jobs"), ("POST", "/v1/jobs"), ("GET", "/v1/jobs/job_x"),
+                             ("GET", "/v1/files"), ("POST", "/v1/files"), ("GET", "/v1/batches"),
+                             ("POST", "/v1/batches"), ("POST", "/v1/datasets"), ("POST", "/v1/images"),
+                             ("GET", "/v1/images/img_x")):
+            response = anonymous.request(method, path)
+            assert response.status_code == 401, (method, path, response.text)
+            assert response.json()["error"]["code"] == "invalid_api_key"
+            assert response.headers["www-authenticate"] == "Bearer"
+        for header in ("Bearer vlmq-key_00.nope", "Basic dXNlcjpwYXNz", "Bearer", "bearer  x",
+                       "Bearer " + server.api_key + "x"):
+            response = anonymous.get("/v1/jobs", headers={"Authorization": header})
+            assert response.status_code == 401, header
+
+
+def test_the_openai_client_with_a_wrong_key_gets_an_authentication_error(server: ApiServer) -> None:
+    client = OpenAI(base_url=server.url + "/v1", api_key="sk-not-ours", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        client.batches.list()
+    ours = OpenAI(base_url=server.url + "/v1", api_key=server.api_key, max_retries=0)
+    assert ours.files.create(file=("x.jsonl", b"{}\n"), purpose="batch").id in {f.id for f in ours.files.list()}
+
+
+def test_tenants_see_only_their_own(server: ApiServer) -> None:
+    other_key = server.make_key("globex")
+    with server.client() as acme, server.client(api_key=other_key) as globex:
+        job = acme.post("/v1/jobs", json=chat_body(text="acme's secret"))
+        assert job.status_code == 202, job.text
+        job_id = job.json()["id"]
+        file_id = acme.post("/v1/files", files={"file": ("in.jsonl", b"{}\n")}, data={"purpose": "batch"}).json()["id"]
+        for path in (f"/v1/jobs/{job_id}", f"/v1/jobs/{job_id}/result", f"/v1/files/{file_id}",
+                     f"/v1/files/{file_id}/content"):
+            assert globex.get(path).status_code == 404, path
+            assert acme.get(path).status_code in (200, 409), path  # 409: a result before the job ran
+        assert globex.post(f"/v1/jobs/{job_id}/cancel").status_code == 404
+        assert globex.delete(f"/v1/files/{file_id}").status_code == 404
+        assert job_id not in {j["id"] for j in globex.get("/v1/jobs").json()["data"]}
+        assert file_id not in {f["id"] for f in globex.get("/v1/files").json()["data"]}
+        # A batch can only be made of the tenant's own files.
+        body = {"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+        refused = globex.post("/v1/batches", json=body)
+        assert refused.status_code == 404 and "no such file" in refused.json()["error"]["message"]
+        batch = acme.post("/v1/batches", json=body)
+        assert batch.status_code == 200, batch.text
+        batch_id = batch.json()["id"]
+        assert globex.get(f"/v1/batches/{batch_id}").status_code == 404
+        assert globex.post(f"/v1/batches/{batch_id}/cancel").status_code == 404
+        assert batch_id not in {b["id"] for b in globex.get("/v1/batches").json()["data"]}
+        assert acme.get(f"/v1/batches/{batch_id}").json()["id"] == batch_id
+        # The job is still acme's to cancel.
+        assert acme.post(f"/v1/jobs/{job_id}/cancel").json()["status"] == "cancelled"
+
+
+def test_idempotency_keys_belong_to_their_tenant(server: ApiServer) -> None:
+    other_key = server.make_key("initech")
+    with server.client() as acme, server.client(api_key=other_key) as initech:
+        headers = {"Idempotency-Key": "order-42"}
+        first = acme.post("/v1/jobs", json=chat_body(), headers=headers)
+        again = acme.post("/v1/jobs", json=chat_body(), headers=headers)
+        theirs = initech.post("/v1/jobs", json=chat_body(), headers=headers)
+    assert (first.status_code, again.status_code, theirs.status_code) == (202, 200, 202)
+    assert first.json()["id"] == again.json()["id"] != theirs.json()["id"]
+
+
+def test_a_revoked_key_stops_working(server: ApiServer) -> None:
+    from common.apikeys import revoke_key
+
+    key = server.make_key("acme")
+    with server.client(api_key=key) as client:
+        assert client.get("/v1/jobs").status_code == 200
+        with server.app.state.vlmq.db.session() as session:
+            assert revoke_key(session, key.split(".")[0].removeprefix("vlmq-"))
+        assert client.get("/v1/jobs").status_code == 401
+
+
+def test_auth_may_be_off_only_in_embedded_mode(service_env: dict[str, str]) -> None:
+    with pytest.raises(ValidationError, match="only in embedded mode"):
+        settings_from_env(service_env, auth="off")
+    assert not Settings(broker_url="memory://").auth_required
+    assert Settings(broker_url="memory://", auth="on").auth_required
+    assert settings_from_env(service_env).auth_required
