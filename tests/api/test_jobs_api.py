@@ -253,3 +253,33 @@ def test_hostile_headers_and_forms_never_500(api: httpx.Client) -> None:
     assert empty_upload.status_code == 400 and "empty" in empty_upload.json()["error"]["message"]
     no_file = api.post("/v1/images", data={"x": "y"})
     assert no_file.status_code == 422
+
+
+def _messages(settings: Settings, queue: str) -> list[dict]:
+    client = redis.Redis.from_url(settings.broker_url)
+    keys = [k for k in client.keys(queue + "*") if k.decode().startswith(queue)]
+    return [json.loads(m) for key in keys for m in client.lrange(key, 0, -1)]
+
+
+def test_cancelling_a_batchs_last_open_job_finalizes_the_batch(api: httpx.Client, settings: Settings) -> None:
+    from common import batches, jobs
+    from common.db import get_database
+
+    db = get_database(settings.database_url)
+    with db.session() as session:
+        batch = batches.create_batch(session, input_file_id="file-x", endpoint="/v1/chat/completions",
+                                     completion_window="24h", model=MODEL, metadata=None)
+        batch_id = batch.id
+        done, last = (jobs.create_job(session, model=MODEL, request={}, batch_id=batch_id, custom_id=c).id
+                      for c in ("a", "b"))
+        batches.advance_ingestion(session, batch_id, from_line=0, last_line=2, requests=2, refused=0)
+        batches.start(session, batch_id)
+    with db.session() as session:
+        assert jobs.claim(session, done, "w", 60) is not None
+    with db.session() as session:
+        assert jobs.finish(session, done, "w", jobs.JobResult("results/x", "ok", "stop", 1, 1))
+    assert not [m for m in _messages(settings, "ingest") if m["headers"]["argsrepr"] == repr([batch_id])]
+    cancelled = api.post(f"/v1/jobs/{last}/cancel")
+    assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
+    sent = [m for m in _messages(settings, "ingest") if m["headers"]["argsrepr"] == repr([batch_id])]
+    assert [m["headers"]["task"] for m in sent] == ["vlmq.finalize_batch"]
