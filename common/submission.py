@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session
 
 from common import jobs
 from common.image_cache import ImageCache
+from common.image_fetch import ImageFetchError, fetcher_for
 from common.images import ImageError, inspect_image, parse_data_url
 from common.models import DEFAULT_TENANT, ImageRecord, Job, utcnow
 from common.schemas import ChatCompletionRequest, ImagePart, JobCreate, TextPart
@@ -86,9 +87,15 @@ def _resolve_image(url: str, session: Session, store: ObjectStore, settings: Set
         except ImageError as exc:
             raise SubmissionError(str(exc), 400, "invalid_image") from None
         return store_image(session, store, data, settings).id
-    if url.startswith(("http://", "https://")):
-        raise SubmissionError("remote image URLs are not enabled on this server; send a data: URL or an "
-                              "uploaded image id (img_...)", 400, "image_url_not_allowed")
+    if url[:8].lower().startswith(("http://", "https://")):
+        if not settings.image_urls_enabled:
+            raise SubmissionError("remote image URLs are not enabled on this server; send a data: URL or an "
+                                  "uploaded image id (img_...)", 400, "image_url_not_allowed")
+        try:
+            data = fetcher_for(settings).fetch(url)
+        except ImageFetchError as exc:
+            raise SubmissionError(str(exc), 400, exc.code) from None
+        return store_image(session, store, data, settings).id
     raise SubmissionError("image_url.url must be a data: URL or an uploaded image id (img_<sha256>)", 400,
                           "invalid_image")
 
