@@ -89,7 +89,7 @@ def worker(
 @app.command("ingest-worker")
 def ingest_worker(
     concurrency: Annotated[int | None, typer.Option(help="Batch tasks run at once (threads).")] = None,
-    beat: Annotated[bool, typer.Option(help="Also run Celery beat here (the periodic batch sweep).")] = False,
+    beat: Annotated[bool, typer.Option(help="Also run Celery beat here (the maintenance sweep).")] = False,
     loglevel: Annotated[str, typer.Option(help="Celery log level.")] = "INFO",
 ) -> None:
     """Run batch ingestion, cancellation and finalization (the ingest queue). Loads no model, imports no torch."""
@@ -106,6 +106,18 @@ def ingest_worker(
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         argv += ["--beat", f"--schedule={settings.data_dir / 'celerybeat-schedule'}"]
     celery_app.worker_main(argv)
+
+
+@app.command()
+def beat(loglevel: Annotated[str, typer.Option(help="Celery log level.")] = "INFO") -> None:
+    """Run Celery beat alone: it sends the maintenance sweep every VLMQ_SWEEP_INTERVAL_SECONDS (reap expired
+    leases, resend what the broker lost, top up dispatch windows, expire and finalize batches). Run one."""
+    from common.queue import make_celery
+
+    settings = _settings()
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    make_celery(settings).start(["beat", f"--loglevel={loglevel}",
+                                 f"--schedule={settings.data_dir / 'celerybeat-schedule'}"])
 
 
 @app.command()

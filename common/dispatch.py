@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from collections.abc import Callable
+from datetime import timedelta
 
 from sqlalchemy import and_, func, select, update
 from sqlalchemy.orm import Session
@@ -104,6 +105,21 @@ def top_up_all(db: Database, window: int, send: Send) -> int:
         except Exception:
             log.exception("dispatch of tenant %s's %s jobs failed", tenant, model)
     return sent
+
+
+def lost_messages(db: Database, live_ids: set[str], grace: timedelta) -> list[str]:
+    """Republisher: queued jobs marked sent more than `grace` ago whose message the broker no longer holds
+    (`live_ids`) are marked unsent again, for the next top-up to send. A message in flight between the
+    broker's lists at the moment of looking only earns a duplicate, which the claim drops; a lost one would
+    leave its job queued forever, so the check errs towards sending."""
+    cutoff = utcnow() - grace
+    with db.session() as session:
+        # Sent-and-queued jobs are bounded by the dispatch windows, so they are few enough to hold.
+        sent = session.scalars(select(Job.id).where(Job.status == JobStatus.QUEUED, Job.dispatched_at < cutoff))
+        lost = [job_id for job_id in sent if job_id not in live_ids]
+        for start in range(0, len(lost), 1000):
+            mark_unsent(session, lost[start:start + 1000])
+    return lost
 
 
 def mark_unsent(session: Session, job_ids: list[str]) -> int:

@@ -18,7 +18,6 @@ BATCH_TASKS = (TASK_INGEST_BATCH, TASK_FINALIZE_BATCH, TASK_CANCEL_BATCH, TASK_S
 # Batch bookkeeping (ingest, finalize, cancel) needs no model, so it has a queue of its own that a light
 # `vlmq ingest-worker` can consume; a GPU worker may consume it too (`vlmq worker --ingest`).
 INGEST_QUEUE = "ingest"
-SWEEP_INTERVAL_SECONDS = 60.0
 
 
 def celery_priority(job_priority: int) -> int:
@@ -57,7 +56,8 @@ def make_celery(settings: Settings) -> Celery:
         },
         # Safety net for finalize triggers that never came (a job reaped to `dead`, a lost message): for
         # whoever runs Celery beat (`vlmq ingest-worker --beat`).
-        beat_schedule={"sweep-batches": {"task": TASK_SWEEP_BATCHES, "schedule": SWEEP_INTERVAL_SECONDS}},
+        beat_schedule={"sweep": {"task": TASK_SWEEP_BATCHES, "schedule": settings.sweep_interval_seconds,
+                                 "options": {"queue": ingest_queue(settings), "priority": 0}}},
         worker_hijack_root_logger=False,
         broker_heartbeat=0,
     )
@@ -114,5 +114,5 @@ def send_cancel_batch(app: Celery, settings: Settings, batch_id: str) -> None:
 
 
 def send_sweep_batches(app: Celery, settings: Settings) -> None:
-    """What beat sends every SWEEP_INTERVAL_SECONDS; also handy to run a sweep now."""
+    """What beat sends every sweep_interval_seconds; also handy to run a sweep now."""
     app.send_task(TASK_SWEEP_BATCHES, queue=ingest_queue(settings), priority=0)

@@ -100,6 +100,11 @@ class Settings(BaseSettings):
     # model at a time (sent or running), refilled as they finish, so a tenant with a million queued rows holds
     # a window of the queue, not all of it. Size it above the jobs all workers of a model hold in flight.
     dispatch_window: int = Field(default=2048, ge=1, description="Jobs per tenant and model in the broker.")
+    # Maintenance (Celery beat, `vlmq beat` or `vlmq ingest-worker --beat`): reap expired leases, send again
+    # what the broker lost, top up dispatch windows, expire and finalize batches.
+    sweep_interval_seconds: float = Field(default=30.0, gt=0, description="How often the sweep runs.")
+    republish_grace_seconds: float = Field(default=60.0, ge=0,
+                                           description="A sent job missing from the broker this long is resent.")
 
     # Access: bearer API keys per tenant (`vlmq apikey create --tenant NAME`). "auto" requires them except
     # in embedded mode (in-process broker), the only mode where they may be off.

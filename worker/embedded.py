@@ -15,9 +15,20 @@ from celery import Celery
 from celery.worker import WorkController
 from celery.worker import state as worker_state
 
+from common.queue import send_sweep_batches
 from common.settings import Settings
 from worker.context import get_context
 from worker.tasks import register_tasks
+
+
+def _sweep_periodically(app: Celery, settings: Settings, stop: threading.Event) -> None:
+    """Celery beat's job in embedded mode: the maintenance sweep (reaping leases a previous run of this
+    process left behind, expiry, finalize safety net), without beat's schedule file."""
+    while not stop.wait(settings.sweep_interval_seconds):
+        try:
+            send_sweep_batches(app, settings)
+        except Exception:
+            logging.getLogger(__name__).exception("could not send the maintenance sweep")
 
 
 class _ThreadWorker(WorkController):
@@ -54,9 +65,13 @@ def embedded_worker(app: Celery, settings: Settings, ready_timeout: float = 120.
     thread.start()
     if not worker.ready.wait(ready_timeout):
         raise RuntimeError("embedded worker did not start")
+    stop_sweeps = threading.Event()
+    threading.Thread(target=_sweep_periodically, args=(app, settings, stop_sweeps), name="vlmq-embedded-beat",
+                     daemon=True).start()
     try:
         yield worker
     finally:
+        stop_sweeps.set()
         worker_state.should_terminate = 0
         thread.join(30)
         worker_state.should_terminate = None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
+from datetime import timedelta
 
 from celery import Celery, Task
 
@@ -134,6 +135,7 @@ def register_tasks(app: Celery) -> None:
         if reaped[jobs.JobStatus.QUEUED] or reaped[jobs.JobStatus.DEAD]:
             log.info("reaped expired leases: %d requeued, %d dead", len(reaped[jobs.JobStatus.QUEUED]),
                      len(reaped[jobs.JobStatus.DEAD]))
+        _republish_lost(ctx)
         dispatch.top_up_all(ctx.db, ctx.settings.dispatch_window, model_sender(app, ctx.settings))
         for batch_id in expire_due(ctx.db):
             log.info("batch %s expired: %d open jobs cancelled", batch_id, expire_batch(batch_id, ctx.db))
@@ -141,6 +143,23 @@ def register_tasks(app: Celery) -> None:
         for batch_id in due:
             send_finalize_batch(app, ctx.settings, batch_id)
         return len(due)
+
+
+def _republish_lost(ctx: BatchContext) -> None:
+    """Jobs whose message the broker lost (a Redis restart without persistence) are marked unsent, so the
+    top-up that follows sends them again. SQL is the truth; the broker's contents are rebuilt from it."""
+    from common.broker_messages import BrokerNotInspectable, live_job_ids
+
+    try:
+        live = live_job_ids(ctx.settings.broker_url)
+    except BrokerNotInspectable:
+        return  # the in-process broker of embedded mode dies with its jobs' process, never alone
+    except Exception:
+        log.exception("could not list the broker's messages; republishing skipped this round")
+        return
+    lost = dispatch.lost_messages(ctx.db, live, timedelta(seconds=ctx.settings.republish_grace_seconds))
+    if lost:
+        log.warning("%d queued jobs had no message in the broker; sending them again", len(lost))
 
 
 def _after_job(app: Celery, db: Database, settings: Settings, job_id: str) -> None:

@@ -1,0 +1,76 @@
+"""Which run_job messages the broker holds right now: what the republisher compares SQL against.
+
+Redis (Celery's kombu transport) keeps a queue as one list per priority step (`<queue>` and
+`<queue>\\x06\\x16<step>`), and messages a worker has taken but not acked in the `unacked` hash (also those it
+holds for a delayed retry). A job whose message is in neither was lost (a Redis restart without persistence,
+a flushed key) and must be sent again. Fair dispatch keeps this set small: a window per tenant and model.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+from typing import Any
+
+import redis
+
+from common.queue import TASK_RUN_JOB
+
+log = logging.getLogger(__name__)
+
+UNACKED_KEY = "unacked"
+_SCAN_BATCH = 1000
+
+
+class BrokerNotInspectable(Exception):
+    """This broker cannot be listed (not Redis): the republisher leaves its jobs alone."""
+
+
+def _job_id(message: Any) -> str | None:
+    """The job id a kombu message (dict) carries, if it is a run_job message."""
+    if not isinstance(message, dict):
+        return None
+    headers = message.get("headers") or {}
+    if headers.get("task") != TASK_RUN_JOB:
+        return None
+    try:
+        body = message.get("body")
+        if message.get("properties", {}).get("body_encoding") == "base64":
+            body = base64.b64decode(body)
+        args = json.loads(body)[0]
+        return str(args[0]) if args else None
+    except (ValueError, TypeError, IndexError, KeyError):
+        return None
+
+
+def live_job_ids(broker_url: str, queue_prefix: str = "jobs.") -> set[str]:
+    """Ids of jobs with a run_job message queued or unacked in the Redis broker at `broker_url`."""
+    if not broker_url.startswith(("redis://", "rediss://")):
+        raise BrokerNotInspectable(broker_url.split("://", 1)[0])
+    client = redis.Redis.from_url(broker_url)
+    try:
+        ids: set[str] = set()
+        for key in client.scan_iter(match=f"{queue_prefix}*", count=_SCAN_BATCH):
+            if client.type(key) != b"list":
+                continue
+            for raw in client.lrange(key, 0, -1):
+                ids.add(_parse(raw))
+        for raw in client.hvals(UNACKED_KEY):
+            try:
+                envelope = json.loads(raw)
+            except ValueError:
+                continue
+            if isinstance(envelope, list) and envelope:
+                ids.add(_job_id(envelope[0]) or "")
+        ids.discard("")
+        return ids
+    finally:
+        client.close()
+
+
+def _parse(raw: bytes) -> str:
+    try:
+        return _job_id(json.loads(raw)) or ""
+    except ValueError:
+        return ""

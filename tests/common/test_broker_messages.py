@@ -1,0 +1,54 @@
+"""The republisher's view of Redis: which jobs have a run_job message, and resending those that lost theirs."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import timedelta
+
+import pytest
+import redis
+from sqlalchemy import select
+
+from common import dispatch, jobs
+from common.broker_messages import BrokerNotInspectable, live_job_ids
+from common.db import Database
+from common.models import Job
+from common.queue import make_celery, model_sender
+from common.settings import Settings
+
+
+def test_live_ids_cover_queued_and_unacked_messages_and_lost_ones_are_resent(db: Database, redis_url: str) -> None:
+    model = f"m-{uuid.uuid4().hex[:6]}"
+    settings = Settings(broker_url=redis_url, served_model_name=model)
+    app = make_celery(settings)
+    send = model_sender(app, settings)
+    with db.session() as session:
+        ids = [jobs.create_job(session, model=model, request={}, tenant="t", dispatched=False).id for _ in range(5)]
+    assert dispatch.top_up(db, "t", model, 10, send) == 5
+    client = redis.Redis.from_url(redis_url)
+    live = live_job_ids(redis_url)
+    assert set(ids) <= live
+    # A worker took one (kombu moves it to the `unacked` hash until the ack): still live.
+    queue = settings.job_queue
+    keys = [k for k in client.keys(queue + "*") if k.decode().startswith(queue)]
+    assert keys
+    raw = client.rpop(keys[0])
+    client.hset("unacked", "delivery-tag-1", b'[' + raw + b', "", "' + queue.encode() + b'"]')
+    assert set(ids) <= live_job_ids(redis_url)
+    # Redis restarted without persistence: every message is gone.
+    client.delete(*keys)
+    client.hdel("unacked", "delivery-tag-1")
+    assert not set(ids) & live_job_ids(redis_url)
+    assert dispatch.lost_messages(db, live_job_ids(redis_url), timedelta(hours=1)) == []  # within the grace
+    lost = dispatch.lost_messages(db, live_job_ids(redis_url), timedelta(0))
+    assert sorted(lost) == sorted(ids)
+    assert dispatch.top_up_all(db, 10, send) >= 5
+    assert set(ids) <= live_job_ids(redis_url)
+    with db.session() as session:
+        assert all(session.scalars(select(Job.dispatched_at).where(Job.id.in_(ids))))
+    client.delete(*[k for k in client.keys(queue + "*") if k.decode().startswith(queue)])
+
+
+def test_only_redis_can_be_listed() -> None:
+    with pytest.raises(BrokerNotInspectable):
+        live_job_ids("memory://")
