@@ -1,9 +1,11 @@
 """Native datasets: a JSONL or CSV manifest plus a zip or tar of images named by relative path. No Celery.
 
-Before any line is read, every image in the archive is checked and stored once under its content hash, and
-indexed by path in batch_images, a chunk of members per transaction (memory bounded by a chunk; a
-redelivered task just repeats idempotent inserts). A line's path then becomes that stored image's id before
-the usual checks, so a path line is accepted or refused exactly like a line with a data: URL.
+Before any line is read, every image in the archive (worker/archive.py: read in memory, never extracted, with
+caps against archive bombs) is checked and stored once under its content hash, and indexed by path in
+batch_images, a chunk of members per transaction (memory bounded by a chunk; a redelivered task just repeats
+idempotent inserts). A member refused by name, type or size is indexed with its error. A line's path then
+becomes that stored image's id before the usual checks, so a path line is accepted or refused exactly like a
+line with a data: URL.
 """
 
 from __future__ import annotations
@@ -11,13 +13,8 @@ from __future__ import annotations
 import csv
 import hashlib
 import io
-import itertools
 import json
 import re
-import tarfile
-import unicodedata
-import zipfile
-import zlib
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -27,78 +24,39 @@ from sqlalchemy.orm import Session
 from common.batch_input import CHAT_URL, LineError
 from common.batches import insert_ignoring_conflicts
 from common.db import Database
-from common.files import ChunkStream, open_reader, open_seekable
+from common.files import ChunkStream
 from common.models import Batch, BatchImage, BatchStatus, FileRecord, utcnow
 from common.schemas import ChatCompletionRequest, ImagePart
 from common.settings import Settings
 from common.storage import ObjectNotFound, ObjectStore
 from common.submission import IMAGE_ID_RE, SubmissionError, image_public_id, store_image
+from worker import archive
+from worker.archive import Member, normalize_path
 
 MEMBERS_PER_CHUNK = 100
+CHUNK_BYTES = 64 * 1024 * 1024  # a chunk of members is held in memory until its transaction commits
 CSV_COLUMNS = ("custom_id", "prompt", "image", "system", "max_tokens", "temperature", "top_p", "seed")
 _SURROGATE = re.compile("[\udc80-\udcff]")
-_JUNK_NAMES = (".DS_Store", "Thumbs.db", "desktop.ini")
-_ARCHIVE_ERRORS = (zipfile.BadZipFile, tarfile.TarError, RuntimeError, NotImplementedError, OSError, EOFError,
-                   zlib.error)
 
 
 class DatasetError(ValueError):
     """The archive or the manifest as a whole is unusable; the batch fails with this message."""
 
 
-def normalize_path(name: str) -> str | None:
-    """One spelling per path: '/' separators, no './' or leading '/', NFC (macOS zips store NFD names);
-    None for a path that climbs out ('..')."""
-    parts = [p for p in unicodedata.normalize("NFC", name.replace("\\", "/")).split("/") if p not in ("", ".")]
-    return "/".join(parts) if parts and ".." not in parts else None
-
-
 def _path_hash(path: str) -> str:
     return hashlib.sha256(path.encode()).hexdigest()
 
 
-def _junk(path: str) -> bool:
-    base = path.rsplit("/", 1)[-1]
-    return path.startswith("__MACOSX/") or base.startswith("._") or base in _JUNK_NAMES
-
-
-def _members(store: ObjectStore, record: FileRecord, max_bytes: int) -> Iterator[tuple[str, bytes | str]]:
-    """(path, bytes, or why the member is unusable) for each file of a zip or (compressed) tar archive."""
-    with open_seekable(store, record.object_key, record.size_bytes) as handle:
-        if handle.read(2) == b"PK":
-            handle.seek(0)
-            try:
-                archive = zipfile.ZipFile(handle)
-            except _ARCHIVE_ERRORS as exc:
-                raise DatasetError(f"the images file is not a readable zip archive: {exc}") from None
-            with archive:
-                for info in archive.infolist():
-                    path = normalize_path(info.filename)
-                    if info.is_dir() or path is None or _junk(path):
-                        continue
-                    if info.file_size > max_bytes:
-                        yield path, f"is {info.file_size} bytes; the limit for an image is {max_bytes}"
-                        continue
-                    try:
-                        yield path, archive.read(info)
-                    except _ARCHIVE_ERRORS as exc:
-                        yield path, f"cannot be read from the archive: {exc}"
-            return
-    # tar, gzip/bzip2/xz-compressed or not, is read as a stream: no seeking, no local copy.
-    stream = io.BufferedReader(ChunkStream(open_reader(store, record.object_key)))
-    try:
-        with tarfile.open(fileobj=stream, mode="r|*") as archive:
-            for member in archive:
-                path = normalize_path(member.name)
-                if not member.isfile() or path is None or _junk(path):
-                    continue
-                if member.size > max_bytes:
-                    yield path, f"is {member.size} bytes; the limit for an image is {max_bytes}"
-                    continue
-                extracted = archive.extractfile(member)
-                yield path, extracted.read() if extracted is not None else "cannot be read from the archive"
-    except _ARCHIVE_ERRORS as exc:
-        raise DatasetError(f"the images file is neither a zip nor a readable tar archive: {exc}") from None
+def _take(members: Iterator[Member], max_items: int, max_bytes: int) -> list[Member]:
+    """The next members, at most max_items of them and (beyond the first) max_bytes of image data."""
+    part: list[Member] = []
+    size = 0
+    for member in members:
+        part.append(member)
+        size += len(member[1]) if isinstance(member[1], bytes) else 0
+        if len(part) >= max_items or size >= max_bytes:
+            break
+    return part
 
 
 def index_archive(batch_id: str, images_file_id: str, db: Database, store: ObjectStore,
@@ -111,9 +69,9 @@ def index_archive(batch_id: str, images_file_id: str, db: Database, store: Objec
         return f"images file {images_file_id!r} no longer exists"
     roots: set[str] = set()
     flat = False
-    members = _members(store, record, settings.max_image_bytes)
+    members = archive.members(store, record, archive.ArchiveLimits.of(settings))
     try:
-        while part := list(itertools.islice(members, MEMBERS_PER_CHUNK)):
+        while part := _take(members, MEMBERS_PER_CHUNK, CHUNK_BYTES):
             with db.session() as session:
                 rows = []
                 for path, data in part:
@@ -134,7 +92,7 @@ def index_archive(batch_id: str, images_file_id: str, db: Database, store: Objec
                 insert_ignoring_conflicts(session, BatchImage, rows, ["batch_id", "path_hash"])
                 if session.scalar(select(Batch.status).where(Batch.id == batch_id)) != BatchStatus.VALIDATING:
                     return None  # cancelled meanwhile
-    except DatasetError as exc:
+    except archive.ArchiveError as exc:
         return str(exc)
     except ObjectNotFound:
         return f"images file {images_file_id!r} is missing from storage"
@@ -158,6 +116,9 @@ def resolve_paths(session: Session, batch_id: str, root: str | None, req: ChatCo
             if not isinstance(part, ImagePart) or _is_reference(part.image_url.url):
                 continue
             path = normalize_path(part.image_url.url)
+            if path is None:
+                return LineError(number, custom_id, "invalid_path", f"line {number}: image path "
+                                 f"{part.image_url.url[:200]!r} climbs out of the archive ('..') or is empty")
             candidates = [path, f"{root}/{path}"] if path and root else [path] if path else []
             entry = next((e for p in candidates if (e := session.get(BatchImage, (batch_id, _path_hash(p))))), None)
             if entry is None:

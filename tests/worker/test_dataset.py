@@ -5,15 +5,19 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import stat
 import tarfile
+import uuid
 import zipfile
+from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlalchemy import select
 
 from common.db import Database, get_database
 from common.files import add_file, file_key
-from common.models import Batch, new_file_id
+from common.models import Batch, BatchLineError, new_file_id
 from common.settings import Settings
 from common.storage import ObjectStore, make_store
 from tests.api.test_jobs_api import png_bytes
@@ -161,3 +165,43 @@ def test_csv_lines_are_openai_lines() -> None:
         assert json.loads(got[0][1])["body"]["messages"][0]["content"] == [  # type: ignore[arg-type]
             {"type": "image_url", "image_url": {"url": "a.png"}}, {"type": "text", "text": "hello"}]
         assert got[0][0] == 2 and json.loads(got[2][1])["custom_id"] == "line-5"  # type: ignore[arg-type]
+
+
+def _messages(db: Database, batch_id: str) -> dict[str | None, tuple[str, str]]:
+    with db.session() as session:
+        rows = session.scalars(select(BatchLineError).where(BatchLineError.batch_id == batch_id))
+        return {e.custom_id: (e.code, e.message) for e in rows}
+
+
+def test_hostile_archive_members_are_per_line_errors(settings: Settings, db: Database, store: ObjectStore) -> None:
+    escape = f"../../../../tmp/vlmq-escape-{uuid.uuid4().hex}.png"
+    link = zipfile.ZipInfo("link.png")
+    link.external_attr = (stat.S_IFLNK | 0o777) << 16
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as zf:
+        for name, data in ((link, b"/etc/passwd"), (escape, RED), ("/etc/passwd", RED), ("red.png", RED)):
+            zf.writestr(name, data)
+    manifest = "\n".join([path_line("a", "red.png"), path_line("b", "link.png"), path_line("c", escape),
+                          path_line("d", "etc/passwd")]).encode()
+    batch_id = dataset_batch(db, store, manifest, "m.jsonl", buf.getvalue())
+    assert ingest_batch(batch_id, IngestDeps(settings, db, store, Recorder())) == "in_progress"
+    assert image_ids(db, batch_id) == {"a": [sha(RED)]}
+    errors = _messages(db, batch_id)
+    assert errors["b"][0] == "invalid_image" and "symbolic link" in errors["b"][1]
+    assert errors["c"][0] == "invalid_path" and "climbs out" in errors["c"][1]
+    assert errors["d"][0] == "invalid_image" and "absolute path" in errors["d"][1]
+    assert not Path("/tmp", Path(escape).name).exists()
+
+
+@pytest.mark.parametrize(("caps", "fragment"), [
+    ({"archive_max_entries": 2}, "archive_max_entries"),
+    ({"archive_max_total_bytes": 1024}, "archive_max_total_bytes"),
+])
+def test_archive_over_a_cap_fails_the_batch(settings: Settings, db: Database, store: ObjectStore,
+                                            caps: dict[str, int], fragment: str) -> None:
+    members = {f"{i}.png": png_bytes((i, 0, 0), (40, 40)) for i in range(5)}
+    batch_id = dataset_batch(db, store, path_line("a", "0.png").encode(), "m.jsonl", tar_gz_bytes(members))
+    capped = settings.model_copy(update=caps)
+    assert ingest_batch(batch_id, IngestDeps(capped, db, store, Recorder())) == "failed"
+    batch = get_batch(db, batch_id)
+    assert batch.errors and batch.errors[0]["code"] == "invalid_archive" and fragment in batch.errors[0]["message"]
