@@ -91,6 +91,11 @@ class EncoderCache:
         entry = self._entries.get(content_hash)
         if entry is not None:
             entry.request_ids.discard(request_id)
+            if entry.value is None and not entry.request_ids:
+                # Reserved but never stored (its step failed, or its request was aborted first): nothing to
+                # find here, and a later request must encode the image rather than wait for this value.
+                del self._entries[content_hash]
+                self.num_used_tokens -= entry.num_tokens
         hashes = self._requests.get(request_id)
         if hashes is not None:
             hashes.discard(content_hash)

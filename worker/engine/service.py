@@ -2,6 +2,11 @@
 
 The engine is stepped by one thread only; submissions and aborts reach it through a queue, so no lock is held
 while the model runs.
+
+Poison isolation: a step that raises fails no request outright, since it cannot say which of the batched
+requests broke it. Every request then in flight is re-run alone, one after another, with new submissions held
+back meanwhile; the one that fails alone gets the exception, the others finish normally. One poison job costs
+its batch-mates a serial re-run, not their attempts.
 """
 
 from __future__ import annotations
@@ -9,6 +14,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections import deque
 from concurrent.futures import Future
 
 from worker.engine.engine import Engine
@@ -23,6 +29,11 @@ class EngineService:
         self.engine = engine
         self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
         self._futures: dict[str, Future[GenerationResult]] = {}
+        self._prepared: dict[str, PreparedInput] = {}
+        # Suspects of a failed step, each to run alone; submissions that arrive meanwhile wait in _held.
+        self._suspects: deque[tuple[PreparedInput, Future[GenerationResult]]] = deque()
+        self._held: deque[tuple[PreparedInput, Future[GenerationResult]]] = deque()
+        self._isolating: str | None = None  # the request now running alone
         self._prepare_lock = threading.Lock()
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="vlmq-engine", daemon=True)
@@ -59,44 +70,91 @@ class EngineService:
                 return False
             if command == "add":
                 prepared, future = payload  # type: ignore[misc]
-                request_id = prepared.request.request_id
                 if future.set_running_or_notify_cancel():
-                    try:
-                        self.engine.add_request(prepared)
-                    except Exception as exc:  # InputError: this request can never run here
-                        future.set_exception(exc)
+                    if self._isolating is not None or self._suspects:
+                        self._held.append((prepared, future))
                     else:
-                        self._futures[request_id] = future
+                        self._add(prepared, future)
             elif command == "abort":
-                request_id = str(payload)
-                self.engine.abort(request_id)
-                future = self._futures.pop(request_id, None)
-                if future is not None:
-                    future.set_exception(RuntimeError(f"request {request_id} was aborted"))
+                self._abort(str(payload))
             try:
                 command, payload = self._inbox.get_nowait()
             except queue.Empty:
                 return True
 
+    def _add(self, prepared: PreparedInput, future: Future[GenerationResult]) -> bool:
+        request_id = prepared.request.request_id
+        try:
+            self.engine.add_request(prepared)
+        except Exception as exc:  # InputError: this request can never run here
+            future.set_exception(exc)
+            return False
+        self._futures[request_id] = future
+        self._prepared[request_id] = prepared
+        return True
+
+    def _abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+        self._prepared.pop(request_id, None)
+        future = self._futures.pop(request_id, None)
+        if future is None:  # maybe a suspect or a held submission, not yet in the engine
+            for waiting in (self._suspects, self._held):
+                for item in list(waiting):
+                    if item[0].request.request_id == request_id:
+                        waiting.remove(item)
+                        future = item[1]
+        if future is not None and not future.done():
+            future.set_exception(RuntimeError(f"request {request_id} was aborted"))
+
+    def _on_step_error(self, exc: Exception) -> None:
+        if self._isolating is not None:
+            # Alone, it failed: this is the poison request.
+            log.error("request %s fails even alone; failing it", self._isolating)
+            future = self._futures.pop(self._isolating, None)
+            self.engine.abort(self._isolating)
+            self._prepared.pop(self._isolating, None)
+            self._isolating = None
+            if future is not None:
+                future.set_exception(exc)
+            return
+        log.exception("engine step failed; re-running its %d requests one at a time", len(self._futures))
+        for request_id, future in self._futures.items():
+            self.engine.abort(request_id)
+            self._suspects.append((self._prepared.pop(request_id), future))
+        self._futures.clear()
+
+    def _next_alone(self) -> None:
+        """Between isolated runs: start the next suspect, or let held submissions in once all are cleared."""
+        while self._suspects and not self.engine.has_unfinished():
+            prepared, future = self._suspects.popleft()
+            if self._add(prepared, future):
+                self._isolating = prepared.request.request_id
+                return
+        if not self._suspects and not self.engine.has_unfinished():
+            self._isolating = None
+            while self._held:
+                self._add(*self._held.popleft())
+
     def _loop(self) -> None:
         while True:
-            if not self._drain(block=not self.engine.has_unfinished()):
+            if not self._drain(block=not (self.engine.has_unfinished() or self._suspects or self._held)):
                 break
+            if self._isolating is not None and self._isolating not in self._futures:
+                self._isolating = None  # it finished (or was aborted)
+            if self._isolating is None and (self._suspects or self._held):
+                self._next_alone()
             if not self.engine.has_unfinished():
                 continue
             try:
                 results = self.engine.step()
             except Exception as exc:
-                # A broken step leaves the engine's state unknown: fail what is in flight, start clean.
-                log.exception("engine step failed; failing %d in-flight requests", len(self._futures))
-                for request_id, future in self._futures.items():
-                    self.engine.abort(request_id)
-                    future.set_exception(exc)
-                self._futures.clear()
+                self._on_step_error(exc)
                 continue
             for result in results:
+                self._prepared.pop(result.request_id, None)
                 future = self._futures.pop(result.request_id, None)
                 if future is not None:
                     future.set_result(result)
-        for future in self._futures.values():
-            future.set_exception(RuntimeError("engine service closed"))
+        for future in [*self._futures.values(), *(f for _, f in self._suspects), *(f for _, f in self._held)]:
+            if not future.done():
+                future.set_exception(RuntimeError("engine service closed"))

@@ -42,6 +42,8 @@ def test_references_prevent_eviction() -> None:
     cache.add_ref("a", "r1")
     cache.allocate("b", 4)
     cache.add_ref("b", "r2")
+    cache.put("a", "A")
+    cache.put("b", "B")
     assert cache.num_evictable_tokens == 0
     assert cache.can_allocate(2) and not cache.can_allocate(3)
     with pytest.raises(RuntimeError):
@@ -56,6 +58,7 @@ def test_release_drops_every_reference_of_a_request() -> None:
     cache = EncoderCache(capacity_tokens=20)
     for h in ("a", "b", "c"):
         cache.allocate(h, 4)
+        cache.put(h, h.upper())
     cache.add_ref("a", "r1")
     cache.add_ref("b", "r1")
     cache.add_ref("b", "r2")
@@ -78,3 +81,16 @@ def test_hits_and_misses() -> None:
     cache.release("r2")
     cache.add_ref("a", "r3")    # a later step: already encoded
     assert (cache.num_misses, cache.num_hits) == (1, 2)
+
+
+def test_a_reservation_never_filled_is_dropped_with_its_last_reference() -> None:
+    """Its step failed (or its request was aborted) before the embedding was stored: a later request must
+    encode the image again, not find an empty entry."""
+    cache = EncoderCache(capacity_tokens=10)
+    cache.allocate("a", 4)
+    cache.add_ref("a", "r1")
+    cache.add_ref("a", "r2")
+    cache.release("r1")
+    assert cache.contains("a")  # r2 still waits for it
+    cache.release("r2")
+    assert not cache.contains("a") and cache.num_used_tokens == 0

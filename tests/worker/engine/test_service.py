@@ -56,3 +56,34 @@ def test_request_that_can_never_fit_fails_alone(tiny_llava_path: Path) -> None:
             svc.submit(svc.prepare(req)).result(timeout=30)
     finally:
         svc.close()
+
+
+def test_a_poison_request_fails_alone_and_its_batch_mates_finish_unchanged(tiny_llava_path: Path) -> None:
+    """A step that raises whenever one particular request is in it (a fault the model hits on that input)."""
+    requests = make_requests(8, seed=34)
+    alone = Engine(load_model(str(tiny_llava_path)), EngineConfig(num_kv_blocks=256, block_size=8))
+    expected = {r.request_id: r.token_ids for r in alone.generate(requests)}
+    poison = requests[3].request_id
+    engine = Engine(load_model(str(tiny_llava_path)), EngineConfig(num_kv_blocks=256, block_size=8))
+    execute = engine.runner.execute
+
+    def faulty_execute(out):  # type: ignore[no-untyped-def]
+        if any(s.request.request_id == poison for s in out.scheduled):
+            raise FloatingPointError("a kernel fault on this input")
+        return execute(out)
+
+    engine.runner.execute = faulty_execute  # type: ignore[method-assign]
+    svc = EngineService(engine)
+    try:
+        prepared = [svc.prepare(r) for r in requests]
+        futures = {p.request.request_id: svc.submit(p) for p in prepared}  # all in flight together
+        with pytest.raises(FloatingPointError):
+            futures[poison].result(timeout=120)
+        results = {rid: f.result(timeout=120).token_ids for rid, f in futures.items() if rid != poison}
+        assert results == {rid: ids for rid, ids in expected.items() if rid != poison}
+        # Back to normal batching afterwards.
+        late = make_requests(2, seed=35)
+        assert all(svc.submit(svc.prepare(r)).result(timeout=60).completion_tokens for r in late)
+        assert not engine.has_unfinished() and engine.block_manager.num_used_blocks == 0
+    finally:
+        svc.close()
