@@ -12,6 +12,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from api.auth import KeyCache, get_tenant
 from api.deps import AppState
 from api.errors import BodySizeLimit, install_error_handlers
+from api.limits import OpenJobsCounter, RateLimiter, rate_limit
 from api.routes import batches, datasets, files, health, images, jobs
 from common.db import get_database
 from common.queue import make_celery
@@ -59,10 +60,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         celery=make_celery(settings),
     )
     app.state.key_cache = KeyCache(settings.auth_cache_seconds)
+    app.state.rate_limiter = RateLimiter(settings.tenant_requests_per_second, settings.broker_url)
+    app.state.open_jobs = OpenJobsCounter()
     install_error_handlers(app)
     app.include_router(health.router)
     # Every /v1 route needs a tenant: its API key's, or `default` in embedded mode.
     for router in (images.router, jobs.router, files.router, batches.router, datasets.router):
-        app.include_router(router, dependencies=[Depends(get_tenant)])
+        app.include_router(router, dependencies=[Depends(get_tenant), Depends(rate_limit)])
     app.add_middleware(RouteBodyLimits, default_bytes=settings.max_body_bytes, file_bytes=settings.max_file_bytes)
     return app

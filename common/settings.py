@@ -110,6 +110,8 @@ class Settings(BaseSettings):
     # in embedded mode (in-process broker), the only mode where they may be off.
     auth: Literal["auto", "on", "off"] = "auto"
     auth_cache_seconds: float = Field(default=10.0, ge=0, description="How long a checked key is trusted.")
+    tenant_requests_per_second: int = Field(default=0, ge=0, description="Per tenant, all API replicas; 0: off.")
+    tenant_max_open_jobs: int = Field(default=0, ge=0, description="Queued+running jobs per tenant; 0: no limit.")
 
     @field_validator("data_dir", "storage_dir")
     @classmethod

@@ -9,13 +9,14 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from fastapi import APIRouter, HTTPException, Query
+from fastapi import APIRouter, Depends, HTTPException, Query
 from pydantic import BaseModel, ConfigDict
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from api.auth import TenantDep
 from api.deps import AppState, SessionDep, StateDep
+from api.limits import open_jobs_guard
 from api.routes.files import list_page
 from common import batches
 from common.batch_input import CHAT_URL
@@ -101,7 +102,7 @@ def create(state: AppState, tenant: str, body: BatchCreate) -> dict[str, Any]:
         return batches.batch_view(session, _get(session, tenant, batch_id))
 
 
-@router.post("")
+@router.post("", dependencies=[Depends(open_jobs_guard)])
 def create_batch(body: BatchCreate, state: StateDep, tenant: TenantDep) -> dict[str, Any]:
     return create(state, tenant, body)
 

@@ -9,13 +9,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from fastapi import APIRouter, HTTPException, Request
+from fastapi import APIRouter, Depends, HTTPException, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from api.auth import TenantDep
 from api.deps import AppState, StateDep
+from api.limits import open_jobs_guard
 from api.routes.batches import BatchCreate, create
 from api.routes.files import add_uploaded, content_type
 from api.upload import receive_upload
@@ -59,11 +60,11 @@ def _body(fields: dict[str, str], manifest_id: str, images_id: str | None) -> Ba
         metadata = json.loads(fields["metadata"]) if fields.get("metadata") else None
         return BatchCreate(input_file_id=manifest_id, endpoint=CHAT_URL, metadata=metadata,
                            completion_window=fields.get("completion_window") or "24h", images_file_id=images_id)
-    except (json.JSONDecodeError, ValidationError):
+    except (ValueError, RecursionError, ValidationError):
         raise SubmissionError("multipart field 'metadata' must be a JSON object of string values") from None
 
 
-@router.post("", openapi_extra=_DOC)
+@router.post("", openapi_extra=_DOC, dependencies=[Depends(open_jobs_guard)])
 async def create_dataset_batch(request: Request, state: StateDep, tenant: TenantDep) -> JSONResponse:
     if content_type(request) != "multipart/form-data":
         raise HTTPException(415, "send multipart/form-data with a 'manifest' file and an 'images' archive")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -113,6 +114,23 @@ def file_content(file_id: str, session: SessionDep, state: StateDep, tenant: Ten
     return StreamingResponse(chunks, media_type="application/octet-stream", headers={
         "Content-Length": str(record.size_bytes), "Content-Disposition": f'attachment; filename="{safe_name}"',
     })
+
+
+@router.get("/{file_id}/url")
+def file_url(
+    file_id: str, session: SessionDep, state: StateDep, tenant: TenantDep,
+    expires_in: int | None = Query(default=None, ge=1, description="Seconds the URL works (default and most: "
+                                                                     "the server's presign_expiry_seconds)."),
+) -> dict[str, Any]:
+    """vlmq extension: a presigned object-storage URL to download the file directly (large batch outputs
+    need not pass through the API). Servers that keep objects in a local folder answer 409: use /content."""
+    record = get_file(session, tenant, file_id)
+    seconds = min(expires_in or state.settings.presign_expiry_seconds, state.settings.presign_expiry_seconds)
+    url = state.store.presigned_url(record.object_key, seconds)
+    if url is None:
+        raise HTTPException(409, "this server keeps objects in a local folder, which has no presigned URLs; "
+                                 f"download the file from /v1/files/{file_id}/content")
+    return {"object": "file.url", "id": file_id, "url": url, "expires_at": int(time.time()) + seconds}
 
 
 @router.delete("/{file_id}")

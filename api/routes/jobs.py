@@ -6,7 +6,7 @@ import json
 import logging
 from typing import Any
 
-from fastapi import APIRouter, Header, HTTPException, Query, Request
+from fastapi import APIRouter, Depends, Header, HTTPException, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -16,6 +16,7 @@ from starlette.datastructures import UploadFile
 
 from api.auth import TenantDep
 from api.deps import AppState, SessionDep, StateDep
+from api.limits import open_jobs_guard
 from common import batches, dispatch, jobs
 from common.models import Job, JobStatus
 from common.queue import send_finalize_batch, send_run_job
@@ -43,7 +44,7 @@ async def _from_json(request: Request) -> JobCreate:
     raw = await request.body()
     try:
         payload = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # also integers over 4300 digits, nesting past the stack
         raise SubmissionError(f"request body is not valid JSON: {exc}") from None
     if not isinstance(payload, dict):
         raise SubmissionError("request body must be a JSON object")
@@ -82,7 +83,7 @@ async def _from_form(request: Request, state: AppState) -> JobCreate:
     if isinstance(metadata, str) and metadata:
         try:
             payload["metadata"] = json.loads(metadata)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):
             raise SubmissionError("multipart field 'metadata' must be a JSON object") from None
     return _validate(payload)
 
@@ -106,7 +107,7 @@ def _undispatch(state: AppState, job_id: str) -> None:
         dispatch.mark_unsent(session, [job_id])
 
 
-@router.post("", status_code=202, response_model=JobView)
+@router.post("", status_code=202, response_model=JobView, dependencies=[Depends(open_jobs_guard)])
 async def create_job(
     request: Request, state: StateDep, tenant: TenantDep,
     idempotency_key: str | None = Header(default=None, alias="Idempotency-Key"),

@@ -5,6 +5,7 @@ Another tenant's job, file or batch answers 404 exactly like one that does not e
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -109,3 +110,24 @@ def test_auth_may_be_off_only_in_embedded_mode(service_env: dict[str, str]) -> N
     assert not Settings(broker_url="memory://").auth_required
     assert Settings(broker_url="memory://", auth="on").auth_required
     assert settings_from_env(service_env).auth_required
+
+
+def test_tenant_limits_answer_429_with_retry_after(service_env: dict[str, str]) -> None:
+    settings = settings_from_env(service_env, model=f"/models/{MODEL}", tenant_requests_per_second=5,
+                                 tenant_max_open_jobs=3)
+    with ApiServer(settings, tenant="limited") as api, api.client() as client, \
+            api.client(api_key=api.make_key("neighbour")) as neighbour:
+        time.sleep(1.0 - time.time() % 1.0)  # start at the beginning of a one-second window
+        codes = [client.get("/v1/jobs").status_code for _ in range(8)]
+        assert codes[:5] == [200] * 5 and set(codes[5:]) == {429}
+        refused = client.get("/v1/jobs")
+        assert refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+        assert neighbour.get("/v1/jobs").status_code == 200  # another tenant has its own count
+        time.sleep(1.0)
+        submitted = [client.post("/v1/jobs", json=chat_body()).status_code for _ in range(4)]
+        assert submitted == [202, 202, 202, 429]  # three jobs open: the limit
+        time.sleep(1.0)
+        over = client.post("/v1/jobs", json=chat_body())
+        assert over.status_code == 429 and "jobs queued or running" in over.json()["error"]["message"]
+        assert neighbour.post("/v1/jobs", json=chat_body()).status_code == 202

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import boto3
+import httpx
 import openai
 import pytest
 import torch
@@ -368,6 +369,14 @@ def test_file_lifecycle_and_delete(stack: Stack) -> None:
     info = stack.client.files.retrieve(file_id)
     assert (info.object, info.purpose, info.filename, info.status) == ("file", "batch", "mine.jsonl", "processed")
     assert info.id.startswith("file-") and info.bytes == len(stack.client.files.content(file_id).content)
+    # A presigned URL downloads the same bytes straight from object storage, without a key, for a while.
+    presigned = stack.http.get(f"/v1/files/{file_id}/url", params={"expires_in": 60}).json()
+    assert presigned["expires_at"] - time.time() <= 61
+    assert httpx.get(presigned["url"]).content == stack.client.files.content(file_id).content
+    capped = stack.http.get(f"/v1/files/{file_id}/url", params={"expires_in": 10**9}).json()
+    assert capped["expires_at"] - time.time() <= stack.settings.presign_expiry_seconds + 1
+    expires = int(httpx.URL(presigned["url"]).params["Expires"])  # the signature itself expires then
+    assert abs(expires - presigned["expires_at"]) <= 2
     deleted = stack.client.files.delete(file_id)
     assert (deleted.id, deleted.deleted, deleted.object) == (file_id, True, "file")
     with pytest.raises(openai.NotFoundError, match="no such file"):
@@ -445,6 +454,8 @@ def test_embedded_mode_runs_batches(tiny_llava_path: Path, tmp_path: Path) -> No
                 time.sleep(0.2)
             assert batch.status == "completed" and batch.request_counts.completed == 3  # type: ignore[union-attr]
             assert len(client.files.content(batch.output_file_id or "").text.splitlines()) == 3
+            local = httpx.get(f"{server.url}/v1/files/{batch.output_file_id}/url")
+            assert local.status_code == 409 and "/content" in local.json()["error"]["message"]
     finally:
         get_context().close()
         set_context(None)

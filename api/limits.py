@@ -1,0 +1,107 @@
+"""Per-tenant limits: requests per second (429 + Retry-After) and open jobs (queued or running).
+
+The rate is counted in fixed one-second windows in Redis when the broker is Redis, so every API replica
+shares one count per tenant; in embedded mode (one process) the count is kept in memory. If Redis cannot be
+reached the request is let through: the broker being down already shows as a 503 where it matters, and a
+limiter must not turn an outage into refusals of reads.
+
+Open jobs are counted in SQL at most once per `OPEN_JOBS_TTL` per tenant and process: an exact count per
+request would scan a million-row index range for a tenant with a million jobs queued. Submissions let through
+meanwhile are added to the cached count, so one process cannot overshoot; several API replicas can, by up to
+a second's worth of each other's submissions.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Annotated
+
+import redis
+from fastapi import Depends, HTTPException, Request
+from fastapi.concurrency import run_in_threadpool
+from sqlalchemy import func, select
+
+from api.auth import get_tenant
+from api.deps import AppState, get_state
+from common.models import Job, JobStatus
+
+log = logging.getLogger(__name__)
+
+OPEN_JOBS_TTL = 1.0
+
+
+class RateLimiter:
+    def __init__(self, per_second: int, broker_url: str) -> None:
+        self.per_second = per_second
+        self._redis = redis.Redis.from_url(broker_url, socket_timeout=0.5) if broker_url.startswith(
+            ("redis://", "rediss://")) else None
+        self._local: dict[tuple[str, int], int] = {}
+        self._lock = threading.Lock()
+
+    def allow(self, tenant: str) -> bool:
+        if self.per_second <= 0:
+            return True
+        window = int(time.time())
+        if self._redis is not None:
+            key = f"vlmq:rate:{tenant}:{window}"
+            try:
+                count, _ = self._redis.pipeline().incr(key).expire(key, 2).execute()
+            except redis.RedisError:
+                log.warning("rate limiter cannot reach Redis; letting requests through")
+                return True
+            return int(count) <= self.per_second
+        with self._lock:
+            if len(self._local) > 10_000:
+                self._local = {k: v for k, v in self._local.items() if k[1] >= window}
+            count = self._local[(tenant, window)] = self._local.get((tenant, window), 0) + 1
+        return count <= self.per_second
+
+
+class OpenJobsCounter:
+    def __init__(self) -> None:
+        self._cache: dict[str, tuple[int, float]] = {}
+        self._lock = threading.Lock()
+
+    def count(self, state: AppState, tenant: str) -> int:
+        now = time.monotonic()
+        with self._lock:
+            cached = self._cache.get(tenant)
+            if cached is not None and cached[1] > now:
+                return cached[0]
+        with state.db.session() as session:
+            count = int(session.scalar(select(func.count()).select_from(Job).where(
+                Job.tenant == tenant, Job.status.in_((JobStatus.QUEUED, JobStatus.RUNNING)))) or 0)
+        with self._lock:
+            self._cache[tenant] = (count, now + OPEN_JOBS_TTL)
+        return count
+
+    def add(self, tenant: str) -> None:
+        """A submission just passed: count it until the next SQL count, so a burst cannot overshoot."""
+        with self._lock:
+            cached = self._cache.get(tenant)
+            if cached is not None:
+                self._cache[tenant] = (cached[0] + 1, cached[1])
+
+
+async def rate_limit(request: Request, tenant: Annotated[str, Depends(get_tenant)]) -> None:
+    limiter: RateLimiter = request.app.state.rate_limiter
+    allowed = await run_in_threadpool(limiter.allow, tenant) if limiter.per_second > 0 else True
+    if not allowed:
+        raise HTTPException(429, f"tenant {tenant!r} is over its limit of {limiter.per_second} requests per "
+                                 "second; retry after the time in Retry-After", headers={"Retry-After": "1"})
+
+
+def open_jobs_guard(request: Request, state: Annotated[AppState, Depends(get_state)],
+                    tenant: Annotated[str, Depends(get_tenant)]) -> None:
+    """Refuse new work (a job or a batch) while the tenant has its limit of jobs open."""
+    limit = state.settings.tenant_max_open_jobs
+    if limit <= 0:
+        return
+    counter: OpenJobsCounter = request.app.state.open_jobs
+    open_jobs = counter.count(state, tenant)
+    counter.add(tenant)
+    if open_jobs >= limit:
+        raise HTTPException(429, f"tenant {tenant!r} has {open_jobs} jobs queued or running, its limit is {limit};"
+                                 " submit more once some have finished", headers={"Retry-After": "30"})
