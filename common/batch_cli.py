@@ -37,7 +37,7 @@ def _check(response: httpx.Response) -> Any:
 
 
 @contextmanager
-def _archive(images: Path) -> Iterator[Path]:
+def images_archive(images: Path) -> Iterator[Path]:
     """An archive as is, or a folder zipped (stored, not deflated: images are compressed already)."""
     if images.is_file():
         yield images
@@ -98,7 +98,7 @@ def submit(
         body: dict[str, Any] = {"endpoint": "/v1/chat/completions", "completion_window": "24h",
                                 "metadata": pairs or None}
         if images is not None:
-            with _archive(images) as archive:
+            with images_archive(images) as archive:
                 body["images_file_id"] = _upload(client, archive)
         body["input_file_id"] = _upload(client, input_path)
         batch = _check(client.post("/v1/batches", json=body))

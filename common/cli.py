@@ -122,9 +122,12 @@ def beat(loglevel: Annotated[str, typer.Option(help="Celery log level.")] = "INF
 
 @app.command()
 def run(
-    input_path: Annotated[Path, typer.Argument(help="OpenAI batch input JSONL.", exists=True, dir_okay=False)],
+    input_path: Annotated[Path, typer.Argument(help="OpenAI batch input JSONL, or a CSV manifest.", exists=True,
+                                               dir_okay=False)],
     output: Annotated[Path, typer.Option("-o", "--output", help="Where to write the OpenAI batch output JSONL.")],
     model: Annotated[str | None, typer.Option(help="HF model id or local path.")] = None,
+    images: Annotated[Path | None, typer.Option(help="Folder, zip or tar of the images the file names by path.",
+                                                exists=True)] = None,
     data_dir: Annotated[Path | None, typer.Option(help="Embedded state folder (default ~/.vlmq).")] = None,
 ) -> None:
     """Run every request of a batch file through vlmq on embedded defaults and write the results."""
@@ -136,7 +139,7 @@ def run(
     if not settings.model:
         raise typer.BadParameter("no model: pass --model PATH_OR_ID or set VLMQ_MODEL", param_hint="--model")
     console = Console(stderr=True)
-    summary = run_file(input_path, output, settings, console)
+    summary = run_file(input_path, output, settings, console, images=images)
     ok = summary.counts.get("succeeded", 0)
     rate = summary.submitted / summary.elapsed_s if summary.elapsed_s else 0.0
     console.print(

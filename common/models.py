@@ -106,6 +106,7 @@ class Job(Base):
     idempotency_key: Mapped[str | None] = mapped_column(String(255), nullable=True)
     batch_id: Mapped[str | None] = mapped_column(String(48), nullable=True)
     custom_id: Mapped[str | None] = mapped_column(String(512), nullable=True)
+    line: Mapped[int | None] = mapped_column(Integer, nullable=True)  # of the batch input file it came from
 
     # When a run_job message was last sent for it; NULL while it waits in SQL for its tenant's turn.
     dispatched_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)

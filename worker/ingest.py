@@ -50,6 +50,8 @@ class IngestDeps:
     db: Database
     store: ObjectStore
     dispatch: Dispatch
+    # `vlmq run`: the file was written for some model, the command line decides which runs it.
+    any_model: bool = False
 
 
 class _Stopped(Exception):
@@ -159,7 +161,8 @@ def _ingest_chunk(
             "id": new_id("job"), "tenant": run.tenant, "dispatched_at": None,
             "status": JobStatus.QUEUED, "model": run.model_settings.served_model_name,
             "priority": settings.batch_priority, "request": request, "metadata_": None, "idempotency_key": None,
-            "batch_id": run.batch_id, "custom_id": custom_id, "attempts": 0, "max_attempts": settings.max_attempts,
+            "batch_id": run.batch_id, "custom_id": custom_id, "line": number, "attempts": 0,
+            "max_attempts": settings.max_attempts,
             "created_at": now,
         })
     if taken == 0:
@@ -193,7 +196,7 @@ def _accept(
                                                     custom_id)):
         return missing
     try:
-        resolve_model(req.model, run.model_settings)
+        resolve_model(None if deps.any_model else req.model, run.model_settings)
         return custom_id, normalize_request(req, session, deps.store, deps.settings, run.images)
     except SubmissionError as exc:
         return LineError(number, custom_id, exc.code, f"line {number}: {exc}")

@@ -1,5 +1,6 @@
 """tenants and fair dispatch: API keys, a tenant on jobs, batches and files, jobs.dispatched_at,
-Idempotency-Keys unique per tenant instead of globally, and an index for batches' completion rates
+Idempotency-Keys unique per tenant instead of globally, an index for batches' completion rates, and each
+batch job's input line
 
 Rows written before tenants existed belong to the `default` tenant. Jobs already queued or running were sent
 to the broker when they were written, so they count as dispatched.
@@ -47,6 +48,7 @@ def upgrade() -> None:
     with op.batch_alter_table('jobs', schema=None, naming_convention=_SQLITE_UQ if sqlite else None) as batch_op:
         batch_op.add_column(sa.Column('tenant', sa.String(length=64), nullable=False, server_default='default'))
         batch_op.add_column(sa.Column('dispatched_at', sa.DateTime(timezone=True), nullable=True))
+        batch_op.add_column(sa.Column('line', sa.Integer(), nullable=True))
         batch_op.drop_constraint('uq_jobs_idempotency_key' if sqlite else 'jobs_idempotency_key_key',
                                  type_='unique')
         batch_op.create_index('ix_jobs_dispatch', ['tenant', 'model', 'status', 'dispatched_at', 'id'],
@@ -65,6 +67,7 @@ def downgrade() -> None:
         batch_op.drop_index('ux_jobs_tenant_idempotency_key')
         batch_op.drop_index('ix_jobs_dispatch')
         batch_op.create_unique_constraint('jobs_idempotency_key_key', ['idempotency_key'])
+        batch_op.drop_column('line')
         batch_op.drop_column('dispatched_at')
         batch_op.drop_column('tenant')
     for table in ('files', 'batches'):

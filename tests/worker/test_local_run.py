@@ -96,3 +96,25 @@ def _raw(url: str) -> bytes:
     import base64
 
     return base64.b64decode(url.split(",", 1)[1])
+
+
+def test_vlmq_run_a_csv_manifest_with_a_folder_of_images(tiny_llava_path: Path, tmp_path: Path) -> None:
+    """The native dataset path (manifest + images by relative path) through the same ingestion as batches."""
+    photos = tmp_path / "photos"
+    (photos / "sub").mkdir(parents=True)
+    Image.new("RGB", (32, 24), (200, 20, 20)).save(photos / "red.png")
+    Image.new("RGB", (24, 32), (20, 20, 200)).save(photos / "sub" / "blue.png")
+    manifest = tmp_path / "rows.csv"
+    manifest.write_text("custom_id,prompt,image,max_tokens\nr,What colour?,red.png,3\nb,And this?,sub/blue.png,3\n"
+                        "gone,Where is it?,missing.png,3\n")
+    output = tmp_path / "out.jsonl"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLMQ_")}
+    env.update({"VLMQ_DATA_DIR": str(tmp_path / "state"), "OMP_NUM_THREADS": "2"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "common.cli", "run", str(manifest), "--images", str(photos), "-o", str(output),
+         "--model", str(tiny_llava_path)], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(line) for line in output.read_text().splitlines()]
+    assert [line["custom_id"] for line in lines] == ["r", "b", "gone"]  # input order
+    assert [line["response"]["status_code"] for line in lines[:2]] == [200, 200]
+    assert lines[2]["error"]["code"] == "image_not_found" and "missing.png" in lines[2]["error"]["message"]
