@@ -20,6 +20,7 @@ from sqlalchemy import exists, func, select, update
 from sqlalchemy.orm import Session, aliased
 
 from common.models import DEFAULT_TENANT, Batch, BatchStatus, Job, JobStatus, new_id, utcnow
+from common.pg_bulk import insert_json_rows
 
 COMPLETION_WINDOWS = {"24h": timedelta(hours=24)}
 RATE_WINDOW = timedelta(seconds=60)
@@ -40,8 +41,10 @@ def insert_ignoring_conflicts(
         return set()
     dialect = session.get_bind().dialect.name
     if dialect == "postgresql":
-        from sqlalchemy.dialects.postgresql import insert as dialect_insert
-    elif dialect == "sqlite":
+        # One statement of column arrays: its text never changes, so it is parsed and planned once.
+        return insert_json_rows(session, model, rows, conflict_columns,
+                             None if returning is None else returning.property.columns[0].name)
+    if dialect == "sqlite":
         from sqlalchemy.dialects.sqlite import insert as dialect_insert
     else:
         raise RuntimeError(f"batches do not support the {dialect} database")

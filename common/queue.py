@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 
 from celery import Celery
@@ -80,10 +81,15 @@ def send_run_jobs(app: Celery, settings: Settings, job_ids: Iterable[str], prior
     """Dispatch many jobs over one broker connection (ingestion sends thousands per chunk)."""
     sent = 0
     with app.producer_or_acquire() as producer:
-        for job_id in job_ids:
-            app.send_task(TASK_RUN_JOB, args=[job_id], queue=settings.job_queue,
-                          priority=celery_priority(priority), producer=producer)
-            sent += 1
+        # kombu >= 5.7 can buffer a producer's publishes into one Redis pipeline (one client and one round
+        # trip per 1,000 messages instead of per message: ~2x cheaper a message, bench/ingest.py); a failed
+        # flush raises here, as a failed single send would.
+        batch = getattr(producer, "batch", None)
+        with batch() if batch is not None else contextlib.nullcontext():
+            for job_id in job_ids:
+                app.send_task(TASK_RUN_JOB, args=[job_id], queue=settings.job_queue,
+                              priority=celery_priority(priority), producer=producer)
+                sent += 1
     return sent
 
 

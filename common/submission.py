@@ -15,6 +15,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from common import jobs
+from common.batches import insert_ignoring_conflicts
 from common.image_cache import ImageCache
 from common.image_fetch import ImageFetchError, fetcher_for
 from common.images import ImageError, inspect_image, parse_data_url
@@ -61,16 +62,13 @@ def store_image(session: Session, store: ObjectStore, data: bytes, settings: Set
     key = image_key(sha256)
     if not store.exists(key):
         store.put(key, data, content_type=f"image/{info.format.lower()}")
-    record = ImageRecord(
-        id=sha256, format=info.format, width=info.width, height=info.height,
-        size_bytes=info.size_bytes, created_at=utcnow(),
-    )
-    try:
-        with session.begin_nested():
-            session.add(record)
-    except IntegrityError:  # another request stored the same image a moment ago
-        record = session.get(ImageRecord, sha256, populate_existing=True)  # type: ignore[assignment]
-    return record
+    values = {"id": sha256, "format": info.format, "width": info.width, "height": info.height,
+              "size_bytes": info.size_bytes, "created_at": utcnow()}
+    # INSERT .. ON CONFLICT DO NOTHING: one round trip, where a savepoint around an ORM flush took three.
+    if insert_ignoring_conflicts(session, ImageRecord, [values], ["id"], returning=ImageRecord.id):
+        return ImageRecord(**values)
+    # Another request stored the same image a moment ago.
+    return session.get(ImageRecord, sha256, populate_existing=True)  # type: ignore[return-value]
 
 
 def _resolve_image(url: str, session: Session, store: ObjectStore, settings: Settings) -> str:
