@@ -41,7 +41,7 @@ def insert_ignoring_conflicts(
         return set()
     dialect = session.get_bind().dialect.name
     if dialect == "postgresql":
-        # One statement of column arrays: its text never changes, so it is parsed and planned once.
+        # One statement whose rows travel as one JSON parameter: its text never changes (parsed, planned once).
         return insert_json_rows(session, model, rows, conflict_columns,
                              None if returning is None else returning.property.columns[0].name)
     if dialect == "sqlite":
