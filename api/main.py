@@ -13,11 +13,13 @@ from api.auth import KeyCache, get_tenant
 from api.deps import AppState
 from api.errors import BodySizeLimit, install_error_handlers
 from api.limits import OpenJobsCounter, RateLimiter, rate_limit
-from api.routes import batches, datasets, files, health, images, jobs
+from api.metrics import install_metrics
+from api.routes import batches, datasets, files, health, images, jobs, status
 from common.db import get_database
 from common.queue import make_celery
 from common.settings import Settings, get_settings
 from common.storage import make_store
+from common.worker_registry import WorkerRegistry
 
 log = logging.getLogger(__name__)
 
@@ -68,4 +70,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for router in (images.router, jobs.router, files.router, batches.router, datasets.router):
         app.include_router(router, dependencies=[Depends(get_tenant), Depends(rate_limit)])
     app.add_middleware(RouteBodyLimits, default_bytes=settings.max_body_bytes, file_bytes=settings.max_file_bytes)
+    # Observability: the status page (its data needs a key) and Prometheus /metrics (open, like /healthz).
+    app.state.process_registry = WorkerRegistry(settings.broker_url)
+    app.include_router(status.router)
+    if settings.metrics_enabled:
+        install_metrics(app, app.state.vlmq, app.state.process_registry)
     return app

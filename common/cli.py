@@ -12,6 +12,8 @@ from typing import Annotated
 import typer
 
 from common.api_client import ApiUrl, api_client
+from common.logs import celery_flags, route_library_logs, setup_process_logging, uvicorn_log_config
+from common.worker_registry import start_heartbeat
 
 app = typer.Typer(help="vlmq: batch inference for vision-language models.", no_args_is_help=True,
                   pretty_exceptions_enable=False)
@@ -48,6 +50,7 @@ def api(
     from common.migrate import upgrade
 
     settings = _settings(model=model)
+    setup_process_logging(settings.log_format)
     if settings.embedded_broker:
         upgrade(settings.database_url)  # embedded: there is no separate migrate step
         from common.queue import make_celery
@@ -57,9 +60,9 @@ def api(
         celery_app = make_celery(settings)
         fastapi_app.state.vlmq.celery = celery_app  # the API and the worker must share the in-memory broker
         with embedded_worker(celery_app, settings):
-            uvicorn.run(fastapi_app, host=host, port=port)
+            uvicorn.run(fastapi_app, host=host, port=port, log_config=uvicorn_log_config(settings.log_format))
         return
-    uvicorn.run(create_app(settings), host=host, port=port)
+    uvicorn.run(create_app(settings), host=host, port=port, log_config=uvicorn_log_config(settings.log_format))
 
 
 @app.command()
@@ -76,11 +79,15 @@ def worker(
     from worker.tasks import register_tasks
 
     settings = _settings(model=model, worker_concurrency=concurrency)
+    setup_process_logging(settings.log_format, loglevel)
     celery_app = make_celery(settings)
     register_tasks(celery_app)
-    get_context(settings)  # load the model before taking any message
+    context = get_context(settings)  # load the model before taking any message
+    route_library_logs(settings.log_format)
+    if settings.metrics_port and context.telemetry is not None:
+        context.telemetry.serve(settings.metrics_port)
     queues = [settings.job_queue] + ([ingest_queue(settings)] if ingest else [])
-    celery_app.worker_main([
+    celery_app.worker_main([*celery_flags(settings.log_format),
         "worker", "--pool=threads", f"--concurrency={settings.worker_concurrency}", f"--queues={','.join(queues)}",
         f"--loglevel={loglevel}", "--without-gossip", "--without-mingle", f"--hostname=vlmq-{settings.job_queue}@%h",
     ])
@@ -97,9 +104,13 @@ def ingest_worker(
     from worker.tasks import register_tasks
 
     settings = _settings(ingest_concurrency=concurrency)
+    setup_process_logging(settings.log_format, loglevel)
     celery_app = make_celery(settings)
     register_tasks(celery_app)
-    argv = ["worker", "--pool=threads", f"--concurrency={settings.ingest_concurrency}",
+    for role in ("ingest", "beat") if beat else ("ingest",):  # the status page and healthcheck see it
+        start_heartbeat(settings.broker_url, role, settings.stats_interval_seconds)
+    argv = [*celery_flags(settings.log_format), "worker", "--pool=threads",
+            f"--concurrency={settings.ingest_concurrency}",
             f"--queues={ingest_queue(settings)}", f"--loglevel={loglevel}", "--without-gossip", "--without-mingle",
             "--hostname=vlmq-ingest@%h"]
     if beat:
@@ -115,8 +126,10 @@ def beat(loglevel: Annotated[str, typer.Option(help="Celery log level.")] = "INF
     from common.queue import make_celery
 
     settings = _settings()
+    setup_process_logging(settings.log_format, loglevel)
+    start_heartbeat(settings.broker_url, "beat", settings.stats_interval_seconds)
     settings.data_dir.mkdir(parents=True, exist_ok=True)
-    make_celery(settings).start(["beat", f"--loglevel={loglevel}",
+    make_celery(settings).start([*celery_flags(settings.log_format), "beat", f"--loglevel={loglevel}",
                                  f"--schedule={settings.data_dir / 'celerybeat-schedule'}"])
 
 
@@ -206,6 +219,9 @@ def make_tiny_model(
 def _add_batch_commands() -> None:
     from common.apikey_cli import apikey_app
     from common.batch_cli import batch_app
+    from common.healthcheck import healthcheck
+
+    app.command("healthcheck")(healthcheck)
 
     app.add_typer(batch_app, name="batch")
     app.add_typer(apikey_app, name="apikey")

@@ -116,6 +116,15 @@ class Settings(BaseSettings):
     tenant_requests_per_second: int = Field(default=0, ge=0, description="Per tenant, all API replicas; 0: off.")
     tenant_max_open_jobs: int = Field(default=0, ge=0, description="Queued+running jobs per tenant; 0: no limit.")
 
+    # Observability. The status page (/status) shows a key's own tenant; keys of these tenants see them all.
+    admin_tenants: list[str] = Field(default_factory=list, description="Tenants whose keys see every tenant.")
+    log_format: Literal["text", "json"] = Field(default="text", description="json: one JSON object per line.")
+    metrics_enabled: bool = Field(default=True, description="Serve Prometheus metrics at the API's /metrics.")
+    metrics_port: int = Field(default=0, ge=0, le=65535, description="A worker's Prometheus port; 0: none.")
+    # Every worker, ingest worker and beat publishes a short-lived record (broker Redis) for the status page
+    # and the container healthchecks; it disappears 3 intervals after the process stops publishing.
+    stats_interval_seconds: float = Field(default=5.0, gt=0, description="How often processes publish stats.")
+
     @field_validator("data_dir", "storage_dir")
     @classmethod
     def _expand(cls, value: Path | None) -> Path | None:

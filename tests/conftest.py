@@ -177,3 +177,13 @@ def settings_from_env(env: dict[str, str], **overrides: object):  # type: ignore
 
     values = {k.removeprefix("VLMQ_").lower(): v for k, v in env.items() if k.startswith("VLMQ_")}
     return Settings(**{**values, **overrides})
+
+
+@pytest.fixture(scope="session")
+def compose_stack(s3_env: dict[str, str], redis_url: str, tiny_llava_path: Path,
+                  tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """compose.yaml's services run as local processes (tests/stack.py), shared by the smoke and status-page tests."""
+    from tests.stack import local_stack
+
+    with local_stack(s3_env, redis_url, tiny_llava_path, tmp_path_factory.mktemp("stack")) as stack:
+        yield stack

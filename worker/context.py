@@ -15,6 +15,7 @@ from common.storage import ObjectStore, make_store
 from worker.batcher import BatchingGenerator, Generator
 from worker.leases import LeaseKeeper
 from worker.pipeline import JobPipeline
+from worker.telemetry import WorkerTelemetry
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +29,11 @@ class WorkerContext:
     leases: LeaseKeeper
     pipeline: JobPipeline
     worker_id: str
+    telemetry: WorkerTelemetry | None = None  # metrics and the live record of this worker (status page)
 
     def close(self) -> None:
+        if self.telemetry is not None:
+            self.telemetry.close()
         self.generator.close()
         self.leases.close()
 
@@ -51,7 +55,8 @@ def build_context(settings: Settings) -> WorkerContext:
     leases = LeaseKeeper(db, worker_id, settings.lease_seconds, settings.heartbeat_seconds,
                          on_lost=generator.abort)
     pipeline = JobPipeline(settings, db, store, generator, leases, worker_id)
-    return WorkerContext(settings, db, store, generator, leases, pipeline, worker_id)
+    telemetry = WorkerTelemetry(settings, generator, leases, worker_id).start()
+    return WorkerContext(settings, db, store, generator, leases, pipeline, worker_id, telemetry)
 
 
 def make_backend(loaded: object, settings: Settings) -> Generator:
