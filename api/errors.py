@@ -9,6 +9,7 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DBAPIError, OperationalError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from common.submission import SubmissionError
@@ -42,8 +43,10 @@ def install_error_handlers(app: FastAPI) -> None:
             status_code=422,
         )
 
-    @app.exception_handler(HTTPException)
-    async def _http(_: Request, exc: HTTPException) -> JSONResponse:
+    # Starlette's class, not FastAPI's subclass: Starlette itself raises it (bad multipart data, unknown
+    # routes), and those answers should have the same shape as ours.
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {401: "invalid_api_key", 403: "forbidden", 429: "rate_limit_exceeded", 404: "not_found",
                 405: "method_not_allowed", 409: "conflict", 413: "request_too_large",
                 415: "unsupported_media_type"}.get(exc.status_code, "error")
@@ -56,6 +59,11 @@ def install_error_handlers(app: FastAPI) -> None:
         log.warning("database unavailable: %s", exc)
         return JSONResponse(error_body("the database is unavailable; retry shortly", "service_unavailable",
                                        "server_error"), status_code=503, headers={"Retry-After": "5"})
+
+
+# The rest of a refused body is not worth reading: closing the connection stops the server from draining it
+# (uvicorn would read and discard it all to keep the connection alive).
+_CLOSE = {"Connection": "close"}
 
 
 class BodySizeLimit:
@@ -82,7 +90,7 @@ class BodySizeLimit:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
-                    raise _TooLarge()
+                    raise _TooLarge(self.max_bytes)
             return message
 
         async def tracking_send(message: Message) -> None:
@@ -100,15 +108,15 @@ class BodySizeLimit:
     async def _too_large(self, send: Send) -> None:
         response = JSONResponse(
             error_body(f"request body exceeds the limit of {self.max_bytes} bytes", "request_too_large"),
-            status_code=413,
+            status_code=413, headers=_CLOSE,
         )
         await response({"type": "http"}, _empty_receive, send)
 
 
 class _TooLarge(HTTPException):
     # An HTTPException, so FastAPI's body parsing re-raises it as is instead of turning it into a 400.
-    def __init__(self) -> None:
-        super().__init__(413, "request body is too large")
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(413, f"request body exceeds the limit of {max_bytes} bytes", headers=_CLOSE)
 
 
 async def _empty_receive() -> Message:

@@ -90,7 +90,7 @@ def parse_line(number: int, raw: str, seen: set[str] | None = None) -> tuple[str
     without it the caller checks duplicates (ingestion does it in SQL, to keep memory bounded)."""
     try:
         row = json.loads(raw)
-    except json.JSONDecodeError as exc:
+    except (ValueError, RecursionError) as exc:  # also integers over 4300 digits, nesting past the stack
         return LineError(number, None, "invalid_json", f"line {number} is not valid JSON: {exc}")
     if not isinstance(row, dict):
         return LineError(number, None, "invalid_line", f"line {number} must be a JSON object")
