@@ -93,14 +93,14 @@ async def rate_limit(request: Request, tenant: Annotated[str, Depends(get_tenant
                                  "second; retry after the time in Retry-After", headers={"Retry-After": "1"})
 
 
-def open_jobs_guard(request: Request, state: Annotated[AppState, Depends(get_state)],
-                    tenant: Annotated[str, Depends(get_tenant)]) -> None:
+async def open_jobs_guard(request: Request, state: Annotated[AppState, Depends(get_state)],
+                          tenant: Annotated[str, Depends(get_tenant)]) -> None:
     """Refuse new work (a job or a batch) while the tenant has its limit of jobs open."""
     limit = state.settings.tenant_max_open_jobs
     if limit <= 0:
-        return
+        return  # async, so that with no limit a submission does not pay a trip to the thread pool for this
     counter: OpenJobsCounter = request.app.state.open_jobs
-    open_jobs = counter.count(state, tenant)
+    open_jobs = await run_in_threadpool(counter.count, state, tenant)
     counter.add(tenant)
     if open_jobs >= limit:
         raise HTTPException(429, f"tenant {tenant!r} has {open_jobs} jobs queued or running, its limit is {limit};"

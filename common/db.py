@@ -47,8 +47,12 @@ def make_engine(url: str) -> Engine:
             conn.exec_driver_sql("BEGIN IMMEDIATE")
 
         return engine
-    # pre_ping: a restarted Postgres leaves dead pooled connections behind.
-    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+    # pre_ping: a restarted Postgres leaves dead pooled connections behind. pool_size: connections beyond it
+    # are closed when returned, and Postgres forks a backend per connection, so a pool smaller than the
+    # threads that use it (the API's thread pool runs up to 40) opened and closed a connection per request
+    # under load: ~10% of the API's CPU and more of Postgres' (bench/ingest.py api, py-spy). Idle pooled
+    # connections cost Postgres little; max_overflow still bounds a burst.
+    return create_engine(url, pool_pre_ping=True, pool_size=40, max_overflow=20)
 
 
 class Database:

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterable
 
 from celery import Celery
 
+from common import fast_send
+from common.fast_send import RedisTaskSender
 from common.settings import Settings
 
 TASK_RUN_JOB = "vlmq.run_job"
@@ -19,6 +22,9 @@ BATCH_TASKS = (TASK_INGEST_BATCH, TASK_FINALIZE_BATCH, TASK_CANCEL_BATCH, TASK_S
 # Batch bookkeeping (ingest, finalize, cancel) needs no model, so it has a queue of its own that a light
 # `vlmq ingest-worker` can consume; a GPU worker may consume it too (`vlmq worker --ingest`).
 INGEST_QUEUE = "ingest"
+
+
+_SENDER_LOCK = threading.Lock()
 
 
 def celery_priority(job_priority: int) -> int:
@@ -71,14 +77,29 @@ def app_settings(app: Celery) -> Settings | None:
     return getattr(app, "vlmq_settings", None)
 
 
+def _direct_sender(app: Celery) -> RedisTaskSender | None:
+    """The app's direct Redis sender (common/fast_send.py), made once; None when the broker needs Celery."""
+    sender = app.__dict__.get("vlmq_direct_sender", False)
+    if sender is False:
+        with _SENDER_LOCK:
+            sender = app.__dict__.get("vlmq_direct_sender", False)
+            if sender is False:
+                url = app.conf.broker_url or ""
+                sender = RedisTaskSender(url) if fast_send.usable(url, app.conf.broker_transport_options) else None
+                app.vlmq_direct_sender = sender  # type: ignore[attr-defined]
+    return sender
+
+
 def send_run_job(app: Celery, settings: Settings, job_id: str, priority: int) -> None:
-    app.send_task(
-        TASK_RUN_JOB, args=[job_id], queue=settings.job_queue, priority=celery_priority(priority)
-    )
+    send_run_jobs(app, settings, [job_id], priority)
 
 
 def send_run_jobs(app: Celery, settings: Settings, job_ids: Iterable[str], priority: int) -> int:
     """Dispatch many jobs over one broker connection (ingestion sends thousands per chunk)."""
+    direct = _direct_sender(app)
+    if direct is not None:
+        return direct.send(TASK_RUN_JOB, ([job_id] for job_id in job_ids), settings.job_queue,
+                           celery_priority(priority))
     sent = 0
     with app.producer_or_acquire() as producer:
         # kombu >= 5.7 can buffer a producer's publishes into one Redis pipeline (one client and one round
