@@ -23,7 +23,9 @@ class AppState:
     celery: Celery
 
 
-def get_state(request: Request) -> AppState:
+async def get_state(request: Request) -> AppState:
+    # async: FastAPI runs a plain `def` dependency in its thread pool, a thread hand-off per request for
+    # an attribute read (py-spy: most of POST /v1/jobs' dependency solving).
     return request.app.state.vlmq
 
 
@@ -36,11 +38,11 @@ StateDep = Annotated[AppState, Depends(get_state)]
 SessionDep = Annotated[Session, Depends(get_session)]
 
 
-def get_store(state: StateDep) -> ObjectStore:
+async def get_store(state: StateDep) -> ObjectStore:
     return state.store
 
 
-def get_settings_dep(state: StateDep) -> Settings:
+async def get_settings_dep(state: StateDep) -> Settings:
     return state.settings
 
 
