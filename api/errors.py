@@ -12,9 +12,27 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from common.schemas import ErrorResponse
 from common.submission import SubmissionError
 
 log = logging.getLogger(__name__)
+
+_MEANINGS = {
+    400: "The request is invalid (see error.code and error.message).",
+    401: "Missing or invalid API key.",
+    404: "No such resource for this tenant, or no such served model.",
+    409: "The resource's state does not allow this.",
+    413: "The request body, a file or an image is over this server's limit.",
+    415: "Unsupported content type.",
+    422: "The request failed validation (error.param names the field).",
+    429: "The tenant is over its request rate or open-jobs limit; retry after Retry-After seconds.",
+    503: "A backing service (database, task queue) is unavailable, or no model is configured; retry later.",
+}
+
+
+def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses=` for these status codes, each with the error body every refusal has."""
+    return {code: {"model": ErrorResponse, "description": _MEANINGS[code]} for code in codes}
 
 
 def error_body(message: str, code: str, type_: str = "invalid_request_error", param: str | None = None) -> dict:

@@ -11,7 +11,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api.auth import KeyCache, get_tenant
 from api.deps import AppState
-from api.errors import BodySizeLimit, install_error_handlers
+from api.errors import BodySizeLimit, error_responses, install_error_handlers
 from api.limits import OpenJobsCounter, RateLimiter, rate_limit
 from api.metrics import install_metrics
 from api.routes import batches, datasets, files, health, images, jobs, status
@@ -68,7 +68,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(health.router)
     # Every /v1 route needs a tenant: its API key's, or `default` in embedded mode.
     for router in (images.router, jobs.router, files.router, batches.router, datasets.router):
-        app.include_router(router, dependencies=[Depends(get_tenant), Depends(rate_limit)])
+        app.include_router(router, dependencies=[Depends(get_tenant), Depends(rate_limit)],
+                           responses=error_responses(401, 422, 429, 503))
     app.add_middleware(RouteBodyLimits, default_bytes=settings.max_body_bytes, file_bytes=settings.max_file_bytes)
     # Observability: the status page (its data needs a key) and Prometheus /metrics (open, like /healthz).
     app.state.process_registry = WorkerRegistry(settings.broker_url)

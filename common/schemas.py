@@ -123,3 +123,16 @@ class ImageView(BaseModel):
     height: int
     bytes: int
     created_at: datetime
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str = Field(description="invalid_request_error, or server_error for a 503.")
+    code: str = Field(description="Machine-readable reason, e.g. not_found, invalid_api_key, rate_limit_exceeded.")
+    param: str | None = Field(description="The request field at fault, when there is one.")
+
+
+class ErrorResponse(BaseModel):
+    """Every refusal (4xx) and every 503 has this body (OpenAI's error shape)."""
+
+    error: ErrorDetail

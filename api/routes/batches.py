@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session
 
 from api.auth import TenantDep
 from api.deps import AppState, SessionDep, StateDep
+from api.errors import error_responses
 from api.limits import open_jobs_guard
 from api.routes.files import list_page
 from common import batches
@@ -102,7 +103,7 @@ def create(state: AppState, tenant: str, body: BatchCreate) -> dict[str, Any]:
         return batches.batch_view(session, _get(session, tenant, batch_id))
 
 
-@router.post("", dependencies=[Depends(open_jobs_guard)])
+@router.post("", dependencies=[Depends(open_jobs_guard)], responses=error_responses(400, 404, 413))
 def create_batch(body: BatchCreate, state: StateDep, tenant: TenantDep) -> dict[str, Any]:
     return create(state, tenant, body)
 
@@ -121,12 +122,12 @@ def list_batches(
     return list_page(list(session.scalars(stmt)), limit, lambda b: batches.batch_view(session, b))
 
 
-@router.get("/{batch_id}")
+@router.get("/{batch_id}", responses=error_responses(404))
 def retrieve_batch(batch_id: str, session: SessionDep, tenant: TenantDep) -> dict[str, Any]:
     return batches.batch_view(session, _get(session, tenant, batch_id))
 
 
-@router.post("/{batch_id}/cancel")
+@router.post("/{batch_id}/cancel", responses=error_responses(404, 409))
 def cancel_batch(batch_id: str, state: StateDep, tenant: TenantDep) -> dict[str, Any]:
     """Queued requests are cancelled, running ones finish; the batch ends `cancelled` with files for what
     finished."""

@@ -16,6 +16,7 @@ from pydantic import ValidationError
 
 from api.auth import TenantDep
 from api.deps import AppState, StateDep
+from api.errors import error_responses
 from api.limits import open_jobs_guard
 from api.routes.batches import BatchCreate, create
 from api.routes.files import add_uploaded, content_type
@@ -64,7 +65,8 @@ def _body(fields: dict[str, str], manifest_id: str, images_id: str | None) -> Ba
         raise SubmissionError("multipart field 'metadata' must be a JSON object of string values") from None
 
 
-@router.post("", openapi_extra=_DOC, dependencies=[Depends(open_jobs_guard)])
+@router.post("", openapi_extra=_DOC, dependencies=[Depends(open_jobs_guard)],
+             responses=error_responses(400, 404, 413, 415))
 async def create_dataset_batch(request: Request, state: StateDep, tenant: TenantDep) -> JSONResponse:
     if content_type(request) != "multipart/form-data":
         raise HTTPException(415, "send multipart/form-data with a 'manifest' file and an 'images' archive")

@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session
 
 from api.auth import TenantDep
 from api.deps import AppState, SessionDep, StateDep
+from api.errors import error_responses
 from api.upload import UploadedFile, receive_upload
 from common.files import add_file, file_key, file_view, open_reader
 from common.models import Batch, BatchStatus, FileRecord, new_file_id
@@ -58,7 +59,7 @@ def content_type(request: Request) -> str:
     return request.headers.get("content-type", "").split(";")[0].strip().lower()
 
 
-@router.post("", openapi_extra=_UPLOAD_DOC)
+@router.post("", openapi_extra=_UPLOAD_DOC, responses=error_responses(400, 413, 415))
 async def create_file(request: Request, state: StateDep, tenant: TenantDep) -> JSONResponse:
     """Multipart `file` + `purpose=batch`. The file is streamed to object storage as it arrives."""
     if content_type(request) != "multipart/form-data":
@@ -97,12 +98,15 @@ def list_files(
     return list_page(list(session.scalars(stmt)), limit, file_view)
 
 
-@router.get("/{file_id}")
+@router.get("/{file_id}", responses=error_responses(404))
 def retrieve_file(file_id: str, session: SessionDep, tenant: TenantDep) -> dict[str, Any]:
     return file_view(get_file(session, tenant, file_id))
 
 
-@router.get("/{file_id}/content")
+@router.get("/{file_id}/content", response_class=StreamingResponse, responses={
+    200: {"content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+          "description": "The file's bytes."},
+    **error_responses(404)})
 def file_content(file_id: str, session: SessionDep, state: StateDep, tenant: TenantDep) -> StreamingResponse:
     """The file's bytes, streamed from object storage."""
     record = get_file(session, tenant, file_id)
@@ -116,7 +120,7 @@ def file_content(file_id: str, session: SessionDep, state: StateDep, tenant: Ten
     })
 
 
-@router.get("/{file_id}/url")
+@router.get("/{file_id}/url", responses=error_responses(404, 409))
 def file_url(
     file_id: str, session: SessionDep, state: StateDep, tenant: TenantDep,
     expires_in: int | None = Query(default=None, ge=1, description="Seconds the URL works (default and most: "
@@ -133,7 +137,7 @@ def file_url(
     return {"object": "file.url", "id": file_id, "url": url, "expires_at": int(time.time()) + seconds}
 
 
-@router.delete("/{file_id}")
+@router.delete("/{file_id}", responses=error_responses(404, 409))
 def delete_file(file_id: str, state: StateDep, tenant: TenantDep) -> dict[str, Any]:
     with state.db.session() as session:
         record = get_file(session, tenant, file_id)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, File, HTTPException, UploadFile
 
 from api.deps import SessionDep, SettingsDep, StorageDep
+from api.errors import error_responses
 from common.models import ImageRecord
 from common.schemas import ImageView
 from common.submission import IMAGE_ID_RE, image_public_id, store_image
@@ -17,7 +18,7 @@ def image_view(record: ImageRecord) -> ImageView:
                      height=record.height, bytes=record.size_bytes, created_at=record.created_at)
 
 
-@router.post("", status_code=201, response_model=ImageView)
+@router.post("", status_code=201, response_model=ImageView, responses=error_responses(400, 413))
 async def upload_image(
     session: SessionDep, store: StorageDep, settings: SettingsDep, file: UploadFile = File(...)
 ) -> ImageView:
@@ -27,7 +28,7 @@ async def upload_image(
     return image_view(store_image(session, store, data, settings))
 
 
-@router.get("/{image_id}", response_model=ImageView)
+@router.get("/{image_id}", response_model=ImageView, responses=error_responses(404))
 def get_image(image_id: str, session: SessionDep) -> ImageView:
     match = IMAGE_ID_RE.match(image_id)
     record = session.get(ImageRecord, match.group(1)) if match else None

@@ -16,6 +16,7 @@ from starlette.datastructures import UploadFile
 
 from api.auth import TenantDep
 from api.deps import AppState, SessionDep, StateDep
+from api.errors import error_responses
 from api.limits import open_jobs_guard
 from common import batches, dispatch, jobs
 from common.models import Job, JobStatus
@@ -29,6 +30,53 @@ log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
 _FORM_SCALARS = ("model", "max_tokens", "temperature", "top_p", "seed", "priority")
+
+
+def _inline(schema: Any, defs: dict[str, Any]) -> Any:
+    """`schema` with its `#/$defs/...` references replaced by what they name (openapi_extra has no components)."""
+    if isinstance(schema, dict):
+        ref = schema.get("$ref", "")
+        if ref.startswith("#/$defs/"):
+            rest = {k: v for k, v in schema.items() if k != "$ref"}
+            return _inline({**defs[ref.removeprefix("#/$defs/")], **rest}, defs)
+        return {k: _inline(v, defs) for k, v in schema.items() if k != "$defs"}
+    if isinstance(schema, list):
+        return [_inline(v, defs) for v in schema]
+    return schema
+
+
+def _json_body_schema() -> dict[str, Any]:
+    schema = JobCreate.model_json_schema()
+    return _inline(schema, schema.get("$defs", {}))
+
+
+# The body is read by hand (JSON or multipart), so FastAPI cannot document it: both forms are declared here.
+_CREATE_DOC = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {"schema": _json_body_schema(), "example": {
+                "messages": [{"role": "user", "content": [{"type": "text", "text": "Say hello."}]}],
+                "max_tokens": 16}},
+            "multipart/form-data": {"schema": {
+                "type": "object", "required": ["prompt"],
+                "properties": {
+                    "prompt": {"type": "string"},
+                    "image": {"type": "array", "items": {"type": "string", "format": "binary"}},
+                    "system": {"type": "string"},
+                    "model": {"type": "string"},
+                    "max_tokens": {"type": "integer", "minimum": 1},
+                    "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+                    "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+                    "seed": {"type": "integer"},
+                    "priority": {"type": "integer", "minimum": 0, "maximum": 9},
+                    "stop": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
+                    "metadata": {"type": "string", "description": "a JSON object"},
+                },
+            }},
+        },
+    }
+}
 
 
 def _validate(payload: Any) -> JobCreate:
@@ -118,7 +166,10 @@ def _undispatch(state: AppState, job_id: str) -> None:
         dispatch.mark_unsent(session, [job_id])
 
 
-@router.post("", status_code=202, response_model=JobView, dependencies=[Depends(open_jobs_guard)])
+@router.post("", status_code=202, response_model=JobView, dependencies=[Depends(open_jobs_guard)],
+             openapi_extra=_CREATE_DOC,
+             responses={200: {"model": JobView, "description": "The tenant's earlier job with this Idempotency-Key."},
+                        **error_responses(400, 404, 413, 415)})
 async def create_job(
     request: Request, state: StateDep, tenant: TenantDep,
     idempotency_key: str | None = Header(default=None, alias="Idempotency-Key"),
@@ -162,12 +213,12 @@ def _get_job(session: Any, tenant: str, job_id: str) -> Job:
     return job
 
 
-@router.get("/{job_id}", response_model=JobView)
+@router.get("/{job_id}", response_model=JobView, responses=error_responses(404))
 def get_job(job_id: str, session: SessionDep, tenant: TenantDep) -> JobView:
     return job_view(_get_job(session, tenant, job_id))
 
 
-@router.post("/{job_id}/cancel", response_model=JobView)
+@router.post("/{job_id}/cancel", response_model=JobView, responses=error_responses(404, 409))
 def cancel_job(job_id: str, state: StateDep, tenant: TenantDep) -> JobView:
     with state.db.session() as session:
         job = _get_job(session, tenant, job_id)
@@ -195,7 +246,7 @@ def _after_batch_job_cancel(state: AppState, batch_id: str) -> None:
         log.exception("finalize check after cancelling a job of batch %s failed", batch_id)
 
 
-@router.get("/{job_id}/result")
+@router.get("/{job_id}/result", responses=error_responses(404, 409))
 def get_result(job_id: str, session: SessionDep, state: StateDep, tenant: TenantDep) -> Response:
     """The full chat.completion object the worker stored."""
     job = _get_job(session, tenant, job_id)
