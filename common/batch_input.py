@@ -101,6 +101,9 @@ def parse_line(number: int, raw: str, seen: set[str] | None = None) -> tuple[str
     if len(custom_id) > 512:
         return LineError(number, None, "invalid_custom_id", f"line {number}: custom_id is longer than 512 "
                                                             "characters", "custom_id")
+    if "\x00" in custom_id:  # SQL text cannot hold it; the error names no custom_id for the same reason
+        return LineError(number, None, "invalid_custom_id", f"line {number}: custom_id contains a NUL character",
+                         "custom_id")
     if seen is not None:
         if custom_id in seen:
             return duplicate_error(number, custom_id)

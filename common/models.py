@@ -31,6 +31,35 @@ class UTCDateTime(TypeDecorator[datetime]):
         return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
 
+# Postgres text cannot hold NUL, which a model can generate (a byte-level token 0x00). U+E000 (private use)
+# escapes: itself as U+E000 U+E001, NUL as U+E000 U+E002, so every string round-trips on every backend.
+_ESC, _ESC_ESC, _ESC_NUL = "\ue000", "\ue000\ue001", "\ue000\ue002"
+_UNESCAPE = {"\ue001": _ESC, "\ue002": "\x00"}
+
+
+class NulSafeText(TypeDecorator[str]):
+    """Text that stores any Python string, NUL included."""
+
+    impl = Text
+    cache_ok = True
+
+    def process_bind_param(self, value: str | None, dialect: Any) -> str | None:
+        if value is None or (_ESC not in value and "\x00" not in value):
+            return value
+        return value.replace(_ESC, _ESC_ESC).replace("\x00", _ESC_NUL)
+
+    def process_result_value(self, value: str | None, dialect: Any) -> str | None:
+        if value is None or _ESC not in value:
+            return value
+        out, i = [], 0
+        while (j := value.find(_ESC, i)) != -1:
+            out.append(value[i:j])
+            out.append(_UNESCAPE.get(value[j + 1:j + 2], value[j:j + 2]))
+            i = j + 2
+        out.append(value[i:])
+        return "".join(out)
+
+
 def new_file_id() -> str:
     """OpenAI spells file ids `file-...`; ours are time-ordered like every other id."""
     return f"file-{int(time.time() * 1000):012x}{os.urandom(10).hex()}"
@@ -120,12 +149,12 @@ class Job(Base):
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
 
     result_key: Mapped[str | None] = mapped_column(String(255), nullable=True)
-    result_text: Mapped[str | None] = mapped_column(Text, nullable=True)
+    result_text: Mapped[str | None] = mapped_column(NulSafeText, nullable=True)
     finish_reason: Mapped[str | None] = mapped_column(String(16), nullable=True)
     prompt_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)
     completion_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)
     error_code: Mapped[str | None] = mapped_column(String(64), nullable=True)
-    error_message: Mapped[str | None] = mapped_column(Text, nullable=True)
+    error_message: Mapped[str | None] = mapped_column(NulSafeText, nullable=True)
 
 
 class FileRecord(Base):

@@ -23,11 +23,10 @@ from sqlalchemy.types import TypeDecorator
 _DIALECT = postgresql.dialect()  # type: ignore[no-untyped-call]
 
 
-def _json_null_is_text(column: Any) -> bool:
-    """A JSON column whose None is stored as the JSON `null` (SQLAlchemy's rule unless none_as_null)."""
+def _json_kind(column: Any) -> JSON | None:
     kind = column.type
     kind = kind.impl if isinstance(kind, TypeDecorator) else kind
-    return isinstance(kind, JSON) and not kind.none_as_null
+    return kind if isinstance(kind, JSON) else None
 
 
 @cache
@@ -35,10 +34,12 @@ def _statement(table: Table, keys: tuple[str, ...], names: tuple[str, ...], conf
                returning: str | None) -> Any:
     quote = _DIALECT.identifier_preparer.quote
     columns = [table.c[n] for n in names]
-    # The JSON keys are the rows' own keys (mapped attribute names), typed by the definition list.
-    definition = ", ".join(f"{quote(k)} {c.type.compile(_DIALECT)}" for k, c in zip(keys, columns, strict=True))
-    # json_to_recordset reads a JSON null as SQL NULL; the ORM/Core insert writes JSON null there.
-    picked = ", ".join(f"COALESCE(r.{quote(k)}, 'null'::json)" if _json_null_is_text(c) else f"r.{quote(k)}"
+    # The JSON keys are the rows' own keys (mapped attribute names), typed by the definition list. A JSON
+    # column's value travels as its own JSON text: json_to_recordset would otherwise turn a nested \u0000
+    # into text and fail, where the `json` type itself keeps it.
+    definition = ", ".join(f"{quote(k)} {'text' if _json_kind(c) is not None else c.type.compile(_DIALECT)}"
+                           for k, c in zip(keys, columns, strict=True))
+    picked = ", ".join(f"CAST(r.{quote(k)} AS json)" if _json_kind(c) is not None else f"r.{quote(k)}"
                        for k, c in zip(keys, columns, strict=True))
     sql = (f"INSERT INTO {_DIALECT.identifier_preparer.format_table(table)} ({', '.join(quote(n) for n in names)}) "
            f"SELECT {picked} FROM json_to_recordset(CAST(:rows AS json)) AS r({definition}) "
@@ -46,6 +47,24 @@ def _statement(table: Table, keys: tuple[str, ...], names: tuple[str, ...], conf
     if returning is not None:
         sql += f" RETURNING {quote(returning)}"
     return text(sql)
+
+
+@cache
+def _encoders(table: Table, names: tuple[str, ...]) -> tuple[Any, ...]:
+    """Per column, what the ORM's bind step would do to a value before it is sent (None: nothing)."""
+    out: list[Any] = []
+    for name in names:
+        column = table.c[name]
+        json_kind = _json_kind(column)
+        if json_kind is not None:
+            # The ORM/Core insert writes None as the JSON `null` unless the column says none_as_null.
+            keep_null = json_kind.none_as_null
+            out.append(lambda v, keep_null=keep_null: None if v is None and keep_null else json.dumps(v))
+        elif isinstance(column.type, TypeDecorator):
+            out.append(lambda v, kind=column.type: kind.process_bind_param(v, _DIALECT))
+        else:
+            out.append(None)
+    return tuple(out)
 
 
 def _default(value: Any) -> Any:
@@ -66,5 +85,8 @@ def insert_json_rows(
     keys = tuple(rows[0])
     names = tuple(mapper.attrs[k].columns[0].name for k in keys)
     stmt = _statement(model.__table__, keys, names, tuple(conflict_columns), returning)
+    encode = [(k, f) for k, f in zip(keys, _encoders(model.__table__, names), strict=True) if f is not None]
+    if encode:
+        rows = [{**row, **{k: f(row[k]) for k, f in encode}} for row in rows]
     result = session.execute(stmt, {"rows": json.dumps(rows, default=_default)})
     return set(result.scalars()) if returning is not None else set()

@@ -283,3 +283,16 @@ def test_cancelling_a_batchs_last_open_job_finalizes_the_batch(api: httpx.Client
     assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
     sent = [m for m in _messages(settings, "ingest") if m["headers"]["argsrepr"] == repr([batch_id])]
     assert [m["headers"]["task"] for m in sent] == ["vlmq.finalize_batch"]
+
+
+def test_nul_characters_are_kept_not_a_500(api: httpx.Client) -> None:
+    """Postgres text refuses NUL; JSON allows it in any string, so a job carries it through."""
+    body = {**chat_body(), "metadata": {"k\u0000": "v\u0000"}}
+    body["messages"][0]["content"].append({"type": "text", "text": "a\u0000b"})
+    response = api.post("/v1/jobs", json=body)
+    assert response.status_code == 202, response.text
+    job = api.get(f"/v1/jobs/{response.json()['id']}").json()
+    assert job["metadata"] == {"k\u0000": "v\u0000"}
+    form = api.post("/v1/jobs", data={"prompt": "x\u0000y", "metadata": '{"a": "\\u0000"}'})
+    assert form.status_code == 202, form.text
+    assert api.get(f"/v1/jobs/{form.json()['id']}").json()["metadata"] == {"a": "\u0000"}

@@ -75,8 +75,11 @@ def test_each_hostile_line_is_one_error_line(settings: Settings, db: Database, s
         (_image_line("bomb", data_url(_bomb_png())).encode(), "bomb", "invalid_image"),
         (_image_line("remote", "https://example.com/cat.png").encode(), "remote", "image_url_not_allowed"),
         (_image_line("relative", "cat.png").encode(), "relative", "invalid_image"),
+        # SQL text cannot hold NUL: refused as a custom_id (the error cannot name it), carried in a prompt.
+        (_raw("nul\u0000id", {"messages": [{"role": "user", "content": "x"}]}).encode(), None, "invalid_custom_id"),
     ]
-    good = [line("first", image=red).encode(), line("second").encode(), line("last", image=red).encode()]
+    good = [line("first", image=red).encode(), line("second", text="a\u0000b").encode(),
+            line("last", image=red).encode()]
     # A UTF-8 BOM before the first line (Windows editors write one) is not part of it.
     lines = [b"\xef\xbb\xbf" + good[0], *[h[0] for h in hostile[:8]], good[1], *[h[0] for h in hostile[8:]], good[2]]
     batch_id = make_batch(db, store, b"\r\n".join(lines) + b"\n")
@@ -84,14 +87,16 @@ def test_each_hostile_line_is_one_error_line(settings: Settings, db: Database, s
     assert ingest_batch(batch_id, IngestDeps(settings, db, store, Recorder())) == "in_progress"
     created = {j.custom_id: j for j in batch_jobs(db, batch_id)}
     assert set(created) == {"first", "second", "last"}
+    assert created["second"].request["messages"][0]["content"][0]["text"] == "a\x00b"
     for job in created.values():
-        _finish(db, store, job, f"answer {job.custom_id}")
+        _finish(db, store, job, f"answer\x00 {job.custom_id}")  # a model can generate NUL too
     assert finalize_batch(batch_id, db, store) == "completed"
 
     batch = get_batch(db, batch_id)
     assert (batch.total_requests, batch.refused_requests) == (len(lines), len(hostile))
     output = _read_jsonl(store, db, batch.output_file_id or "")
-    assert sorted(o["custom_id"] for o in output) == ["first", "last", "second"]
+    assert sorted((o["custom_id"], o["response"]["body"]["choices"][0]["message"]["content"]) for o in output) == [
+        ("first", "answer\x00 first"), ("last", "answer\x00 last"), ("second", "answer\x00 second")]
     errors = _read_jsonl(store, db, batch.error_file_id or "")
     assert sorted((e["custom_id"] or "", e["error"]["code"]) for e in errors) == sorted(
         (cid or "", code) for _, cid, code in hostile)
