@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import time
 from typing import Any
 
 import redis
@@ -20,6 +21,7 @@ from common.queue import TASK_RUN_JOB
 log = logging.getLogger(__name__)
 
 UNACKED_KEY = "unacked"
+UNACKED_INDEX_KEY = "unacked_index"  # delivery tag -> when it was delivered (kombu's, for its own restore)
 _SCAN_BATCH = 1000
 
 
@@ -44,8 +46,12 @@ def _job_id(message: Any) -> str | None:
         return None
 
 
-def live_job_ids(broker_url: str, queue_prefix: str = "jobs.") -> set[str]:
-    """Ids of jobs with a run_job message queued or unacked in the Redis broker at `broker_url`."""
+def live_job_ids(broker_url: str, queue_prefix: str = "jobs.", unacked_max_age: float | None = None) -> set[str]:
+    """Ids of jobs with a run_job message queued or unacked in the Redis broker at `broker_url`.
+
+    With `unacked_max_age`, an unacked message delivered longer ago than that does not count: the worker
+    that took it may have been killed before it claimed the job, and Redis would hold the message until the
+    visibility timeout (hours). If that worker lives, the message sent again is a duplicate the claim drops."""
     if not broker_url.startswith(("redis://", "rediss://")):
         raise BrokerNotInspectable(broker_url.split("://", 1)[0])
     client = redis.Redis.from_url(broker_url)
@@ -56,7 +62,12 @@ def live_job_ids(broker_url: str, queue_prefix: str = "jobs.") -> set[str]:
                 continue
             for raw in client.lrange(key, 0, -1):
                 ids.add(_parse(raw))
-        for raw in client.hvals(UNACKED_KEY):
+        recent: set[bytes] | None = None
+        if unacked_max_age is not None:
+            recent = set(client.zrangebyscore(UNACKED_INDEX_KEY, time.time() - unacked_max_age, "+inf"))
+        for tag, raw in client.hscan_iter(UNACKED_KEY, count=_SCAN_BATCH):
+            if recent is not None and tag not in recent:
+                continue
             try:
                 envelope = json.loads(raw)
             except ValueError:

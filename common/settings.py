@@ -49,6 +49,9 @@ class Settings(BaseSettings):
     heartbeat_seconds: float = Field(default=0.0, ge=0, description="0 means lease_seconds / 3.")
     max_attempts: int = Field(default=3, ge=1)
     retry_backoff_seconds: float = Field(default=2.0, ge=0)
+    # A generated result is worth keeping through an outage: the worker keeps trying to store it (and finish
+    # the row) this long before giving the job back, instead of spending one of its attempts.
+    persist_retry_seconds: float = Field(default=300.0, ge=0, description="How long a result waits out S3/SQL.")
 
     # Worker batching. "engine" is the paged continuous-batching engine; "hf" batches HF `generate` calls
     # (any HF VLM, less efficient); "auto" picks the engine when it supports the model's family.

@@ -12,7 +12,15 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from tenacity import retry, retry_if_not_exception_type, stop_after_attempt, wait_exponential
+from sqlalchemy import select
+from tenacity import (
+    Retrying,
+    retry,
+    retry_if_not_exception_type,
+    stop_after_attempt,
+    stop_after_delay,
+    wait_exponential,
+)
 
 from common import jobs
 from common.db import Database
@@ -24,6 +32,7 @@ from common.views import chat_completion
 from worker.batcher import Generator
 from worker.generation import GenerationRequest, InputError, SamplingParams
 from worker.leases import LeaseKeeper
+from worker.solo_gate import SoloGate
 
 log = logging.getLogger(__name__)
 
@@ -59,16 +68,30 @@ class JobPipeline:
         self.generator = generator
         self.leases = leases
         self.worker_id = worker_id
+        self.gate = SoloGate()
+        # Storing a finished result outlasts an outage of S3 or SQL; the heartbeat keeps the lease meanwhile.
+        self._result_retry = Retrying(stop=stop_after_delay(settings.persist_retry_seconds),
+                                      wait=wait_exponential(multiplier=0.2, max=5), reraise=True)
 
     def run(self, job_id: str) -> Outcome:
-        job = self._claim(job_id)
-        if job is None:
-            return Outcome("skipped")
-        self.leases.add(job_id)
-        try:
-            return self._run_claimed(job)
-        finally:
-            self.leases.discard(job_id)
+        # Claimed only once through the gate: a job waiting there behind a solo run that crashes the process
+        # has not spent an attempt on it.
+        with self.gate.solo() if self._is_last_try(job_id) else self.gate.shared():
+            job = self._claim(job_id)
+            if job is None:
+                return Outcome("skipped")
+            self.leases.add(job_id)
+            try:
+                return self._run_claimed(job)
+            finally:
+                self.leases.discard(job_id)
+
+    @_infra_retry
+    def _is_last_try(self, job_id: str) -> bool:
+        """Whether claiming the job now would start its last attempt (of several)."""
+        with self.db.session() as session:
+            row = session.execute(select(Job.attempts, Job.max_attempts).where(Job.id == job_id)).first()
+        return row is not None and row.max_attempts > 1 and row.attempts + 1 >= row.max_attempts
 
     @_infra_retry
     def _claim(self, job_id: str) -> Job | None:
@@ -93,10 +116,11 @@ class JobPipeline:
             result.prompt_tokens, result.completion_tokens,
         )
         key = result_key(job.id)
+        job_result = jobs.JobResult(key, result.text, result.finish_reason, result.prompt_tokens,
+                                    result.completion_tokens)
         try:
-            self._persist(key, body)
-            finished = self._finish(job.id, jobs.JobResult(key, result.text, result.finish_reason,
-                                                           result.prompt_tokens, result.completion_tokens))
+            self._result_retry(self._persist, key, body)
+            finished = self._result_retry(self._finish, job.id, job_result)
         except Exception as exc:
             log.exception("job %s could not be persisted", job.id)
             return self._release(job, "persist_error", f"{type(exc).__name__}: {exc}")
@@ -130,11 +154,9 @@ class JobPipeline:
     def _get(self, key: str) -> bytes:
         return self.store.get(key)
 
-    @_infra_retry
     def _persist(self, key: str, body: dict[str, Any]) -> None:
         self.store.put(key, json.dumps(body).encode(), content_type="application/json")
 
-    @_infra_retry
     def _finish(self, job_id: str, result: jobs.JobResult) -> bool:
         with self.db.session() as session:
             return jobs.finish(session, job_id, self.worker_id, result)

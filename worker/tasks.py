@@ -151,7 +151,7 @@ def _republish_lost(ctx: BatchContext) -> None:
     from common.broker_messages import BrokerNotInspectable, live_job_ids
 
     try:
-        live = live_job_ids(ctx.settings.broker_url)
+        live = live_job_ids(ctx.settings.broker_url, unacked_max_age=ctx.settings.republish_grace_seconds)
     except BrokerNotInspectable:
         return  # the in-process broker of embedded mode dies with its jobs' process, never alone
     except Exception:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 from datetime import timedelta
 
@@ -34,10 +35,16 @@ def test_live_ids_cover_queued_and_unacked_messages_and_lost_ones_are_resent(db:
     assert keys
     raw = client.rpop(keys[0])
     client.hset("unacked", "delivery-tag-1", b'[' + raw + b', "", "' + queue.encode() + b'"]')
+    client.zadd("unacked_index", {"delivery-tag-1": time.time() - 30})
     assert set(ids) <= live_job_ids(redis_url)
+    assert set(ids) <= live_job_ids(redis_url, unacked_max_age=60)
+    # Unacked for longer than the republisher's grace: its worker may be dead, so the job counts as lost.
+    taken = set(ids) - live_job_ids(redis_url, unacked_max_age=10)
+    assert len(taken) == 1 and taken < set(ids)
     # Redis restarted without persistence: every message is gone.
     client.delete(*keys)
     client.hdel("unacked", "delivery-tag-1")
+    client.zrem("unacked_index", "delivery-tag-1")
     assert not set(ids) & live_job_ids(redis_url)
     assert dispatch.lost_messages(db, live_job_ids(redis_url), timedelta(hours=1)) == []  # within the grace
     lost = dispatch.lost_messages(db, live_job_ids(redis_url), timedelta(0))

@@ -1,0 +1,404 @@
+"""A vlmq stack whose parts can be broken: its own redis-server and Postgres cluster on spare loopback ports,
+the S3 server behind a TCP proxy that can refuse connections, workers as real processes.
+
+Used by tests/test_durability.py and bench/chaos.py. Nothing here touches the machine's shared Postgres or
+Redis: the fault tests kill and restart only what they started.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import boto3
+from sqlalchemy import select
+
+ROOT = Path(__file__).resolve().parent.parent
+TERMINAL = ("succeeded", "failed", "dead", "cancelled")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(predicate: Any, timeout: float, what: str, interval: float = 0.1) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def port_open(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+class RedisServer:
+    """redis-server without persistence, as production would lose it: a restart comes back empty."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", str(self.workdir)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_for(lambda: port_open(self.port), 20, f"redis on {self.port}")
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait(10)
+            self.proc = None
+
+    def restart(self, down_seconds: float = 0.0) -> None:
+        self.kill()
+        time.sleep(down_seconds)
+        self.start()
+
+
+def _pg_bin(name: str) -> str:
+    found = shutil.which(name) or next(iter(sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"), reverse=True)),
+                                       None)
+    if found is None:
+        raise RuntimeError(f"{name} not found (Debian's postgresql package installs it)")
+    return found
+
+
+class PostgresCluster:
+    """A throwaway cluster (initdb in a temp folder). Run as the postgres user when we are root, since
+    Postgres refuses to run as root."""
+
+    def __init__(self) -> None:
+        # A folder of its own under /tmp: the postgres user cannot enter pytest's (mode 700, root's).
+        self.workdir = Path(tempfile.mkdtemp(prefix="vlmq-pg-"))
+        self.data = self.workdir / "data"
+        self.port = free_port()
+        self.as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+
+    @property
+    def url(self) -> str:
+        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
+
+    def _run(self, *args: str, timeout: float = 60) -> None:
+        subprocess.run([*self.as_user, *args], check=True, capture_output=True, timeout=timeout)
+
+    def init(self) -> None:
+        if self.as_user:
+            shutil.chown(self.workdir, "postgres", "postgres")
+        self._run(_pg_bin("initdb"), "-D", str(self.data), "-A", "trust", "-U", "postgres", "--no-sync",
+                  "-E", "UTF8", timeout=120)
+
+    def start(self) -> None:
+        options = (f"-p {self.port} -c listen_addresses=127.0.0.1 -c unix_socket_directories={self.workdir} "
+                   "-c fsync=off -c synchronous_commit=off -c full_page_writes=off -c max_connections=200")
+        self._run(_pg_bin("pg_ctl"), "-D", str(self.data), "-l", str(self.workdir / "log"), "-o", options, "-w",
+                  "start")
+
+    def stop(self, mode: str = "immediate") -> None:
+        """`immediate`: as a crash (no shutdown checkpoint; recovery at the next start)."""
+        self._run(_pg_bin("pg_ctl"), "-D", str(self.data), "-m", mode, "-w", "stop")
+
+    def restart(self, down_seconds: float = 0.0) -> None:
+        self.stop()
+        time.sleep(down_seconds)
+        self.start()
+
+    def remove(self) -> None:
+        with contextlib.suppress(subprocess.CalledProcessError):  # not running
+            self.stop()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+class TcpProxy:
+    """Forwards 127.0.0.1:port to a target; `down()` closes every connection and refuses new ones, as an S3
+    endpoint that went away would, and `up()` listens again on the same port."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.port = free_port()
+        self._listener: socket.socket | None = None
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+
+    def up(self) -> None:
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", self.port))
+        listener.listen(128)
+        self._listener = listener
+        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
+
+    def down(self) -> None:
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            with contextlib.suppress(OSError):
+                listener.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept()
+            listener.close()
+        with self._lock:
+            conns, self._conns = self._conns, set()
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+            conn.close()
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.target_port), timeout=5)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._conns |= {client, upstream}
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+
+@dataclass
+class Process:
+    name: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            os.kill(self.proc.pid, sig)
+
+    def tail(self, chars: int = 3000) -> str:
+        return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
+
+
+@dataclass
+class Report:
+    """What became of a set of accepted jobs."""
+
+    statuses: Counter[str]
+    lost: list[str]  # accepted (202), but no row
+    stuck: list[str]  # a row that is not in a terminal state
+    duplicated: list[str]  # more than one result object, or a result object for a job that did not succeed
+    missing_result: list[str]  # succeeded without its result object, or with one that disagrees with the row
+    over_attempts: list[str]
+    attempts: Counter[int] = field(default_factory=Counter)
+
+    @property
+    def clean(self) -> bool:
+        return not (self.lost or self.stuck or self.duplicated or self.missing_result or self.over_attempts)
+
+
+class FaultStack:
+    """API in this process (uvicorn thread), workers and the maintenance process as subprocesses."""
+
+    def __init__(self, workdir: Path, s3_endpoint: str, model: Path, **settings: Any) -> None:
+        self.workdir = workdir
+        self.redis = RedisServer(workdir / "redis")
+        self.postgres = PostgresCluster()
+        self.s3_target = int(s3_endpoint.rsplit(":", 1)[1])
+        self.s3 = TcpProxy(self.s3_target)
+        self.bucket = f"vlmq-faults-{uuid.uuid4().hex[:8]}"
+        self.model = model
+        self.settings_env = {f"VLMQ_{k.upper()}": str(v) for k, v in settings.items()}
+        self.processes: list[Process] = []
+        self.api: Any = None
+        self._n = 0
+
+    # -- parts -------------------------------------------------------------------------------------------
+    def env(self) -> dict[str, str]:
+        return {
+            **os.environ,
+            "VLMQ_DATABASE_URL": self.postgres.url,
+            "VLMQ_BROKER_URL": self.redis.url,
+            "VLMQ_STORAGE_BACKEND": "s3",
+            "VLMQ_S3_ENDPOINT_URL": f"http://127.0.0.1:{self.s3.port}",
+            "VLMQ_S3_BUCKET": self.bucket,
+            "VLMQ_S3_ACCESS_KEY_ID": "testing",
+            "VLMQ_S3_SECRET_ACCESS_KEY": "testing",
+            "VLMQ_MODEL": str(self.model),
+            "VLMQ_DATA_DIR": str(self.workdir / "data"),
+            "VLMQ_AUTH": "on",
+            "OMP_NUM_THREADS": "1",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+            **self.settings_env,
+        }
+
+    def settings(self) -> Any:
+        from common.settings import Settings
+
+        env = self.env()
+        return Settings(**{k.removeprefix("VLMQ_").lower(): v for k, v in env.items() if k.startswith("VLMQ_")})
+
+    def start(self) -> FaultStack:
+        from common.migrate import upgrade
+        from tests.conftest import ApiServer
+
+        self.redis.start()
+        self.postgres.init()
+        self.postgres.start()
+        self.s3.up()
+        boto3.client("s3", endpoint_url=f"http://127.0.0.1:{self.s3_target}", region_name="us-east-1",
+                     aws_access_key_id="testing", aws_secret_access_key="testing").create_bucket(Bucket=self.bucket)
+        settings = self.settings()
+        upgrade(settings.database_url)
+        self.api = ApiServer(settings).__enter__()
+        self.maintenance = self.spawn("maintenance", ["ingest-worker", "--beat"])
+        return self
+
+    def close(self) -> None:
+        for p in self.processes:
+            p.signal(signal.SIGKILL)
+        for p in self.processes:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.proc.wait(10)
+        if self.api is not None:
+            self.api.__exit__(None, None, None)
+            self.api.app.state.vlmq.db.dispose()
+        self.s3.down()
+        self.redis.kill()
+        self.postgres.remove()
+
+    def spawn(self, name: str, args: list[str], faults: str = "", **env: str) -> Process:
+        """A `vlmq` command as its own process; with `faults`, through tests/fault_worker.py (see there)."""
+        self._n += 1
+        log = self.workdir / f"{name}-{self._n}.log"
+        entry = [sys.executable, "-m", "tests.fault_worker" if faults else "common.cli"]
+        with log.open("wb") as out:
+            proc = subprocess.Popen([*entry, *args, "--loglevel", "INFO"], cwd=ROOT,
+                                    env={**self.env(), "VLMQ_TEST_FAULTS": faults, **env},
+                                    stdout=out, stderr=subprocess.STDOUT)
+        process = Process(name, proc, log)
+        self.processes.append(process)
+        return process
+
+    def worker(self, concurrency: int = 4, faults: str = "", **env: str) -> Process:
+        return self.spawn("worker", ["worker", "--no-ingest", "--concurrency", str(concurrency)], faults, **env)
+
+    def wait_worker_ready(self, worker: Process, timeout: float = 120) -> None:
+        """Ready once Celery says so in the log (the model loads before it takes any message)."""
+        wait_for(lambda: "ready." in worker.tail(200_000) or not worker.alive(), timeout, "worker ready")
+        if not worker.alive():
+            raise RuntimeError(f"worker exited with {worker.proc.returncode}:\n{worker.tail()}")
+
+    # -- jobs --------------------------------------------------------------------------------------------
+    def submit(self, prompts: Iterable[str], max_tokens: int = 24) -> list[str]:
+        ids = []
+        with self.api.client() as client:
+            for prompt in prompts:
+                body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens}
+                response = client.post("/v1/jobs", json=body)
+                assert response.status_code == 202, response.text
+                ids.append(response.json()["id"])
+        return ids
+
+    def _db(self) -> Any:
+        from common.db import get_database
+
+        return get_database(self.settings().database_url)
+
+    def statuses(self, job_ids: list[str]) -> Counter[str]:
+        from common.models import Job
+
+        with self._db().session() as session:
+            rows = session.execute(select(Job.status).where(Job.id.in_(job_ids))).scalars()
+            return Counter(rows)
+
+    def count(self, job_ids: list[str], *statuses: str) -> int:
+        try:
+            counts = self.statuses(job_ids)
+        except Exception:  # Postgres being restarted
+            return -1
+        return sum(counts[s] for s in statuses)
+
+    def wait_terminal(self, job_ids: list[str], timeout: float) -> None:
+        wait_for(lambda: self.count(job_ids, *TERMINAL) == len(job_ids), timeout,
+                 f"{len(job_ids)} jobs to end", interval=0.25)
+
+    def report(self, job_ids: list[str]) -> Report:
+        """Every accepted job in exactly one terminal state with exactly one result object (under its key,
+        agreeing with the row), and attempts within the maximum."""
+        import json
+
+        from common.models import Job
+
+        s3 = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{self.s3_target}", region_name="us-east-1",
+                          aws_access_key_id="testing", aws_secret_access_key="testing")
+        objects: Counter[str] = Counter()
+        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix="results/"):
+            for obj in page.get("Contents", []):
+                objects[obj["Key"]] += 1
+        with self._db().session() as session:
+            rows = {j.id: j for j in session.scalars(select(Job).where(Job.id.in_(job_ids)))}
+        lost, stuck, duplicated, missing, over = [], [], [], [], []
+        statuses: Counter[str] = Counter()
+        attempts: Counter[int] = Counter()
+        for job_id in job_ids:
+            job = rows.get(job_id)
+            if job is None or job.status not in TERMINAL:
+                (lost if job is None else stuck).append(job_id)
+                continue
+            statuses[job.status] += 1
+            attempts[job.attempts] += 1
+            if job.attempts > job.max_attempts:
+                over.append(job_id)
+            key = f"results/{job_id}.json"
+            others = [k for k in objects if k.startswith(f"results/{job_id}") and k != key]
+            if others or objects[key] > 1 or (objects[key] and job.status != "succeeded"):
+                duplicated.append(job_id)
+            if job.status == "succeeded":
+                if job.result_key != key or not objects[key]:
+                    missing.append(job_id)
+                    continue
+                body = json.loads(s3.get_object(Bucket=self.bucket, Key=key)["Body"].read())
+                if body["choices"][0]["message"]["content"] != job.result_text:
+                    missing.append(job_id)
+        return Report(statuses, lost, stuck, duplicated, missing, over, attempts)

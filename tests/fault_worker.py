@@ -1,0 +1,63 @@
+"""`python -m tests.fault_worker ARGS`: `vlmq ARGS` with a fault injected, for tests/test_durability.py.
+
+The real CLI and worker, plus the patches VLMQ_TEST_FAULTS names (comma-separated):
+
+- `crash_after_persist:PATH`: the first process to have written a result object, and not yet finished its
+  row, SIGKILLs itself there (PATH marks that it happened, so the job's next attempt goes through).
+- `poison:WORD`: a job whose prompt holds WORD SIGKILLs the process that runs it, on every attempt.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def install(faults: str) -> None:
+    from worker.pipeline import JobPipeline
+
+    for fault in filter(None, faults.split(",")):
+        kind, _, arg = fault.partition(":")
+        if kind == "crash_after_persist":
+            marker = Path(arg)
+            finish = JobPipeline._finish
+
+            def finish_or_crash(self: JobPipeline, job_id: str, result: Any, _finish: Any = finish,
+                                marker: Path = marker) -> bool:
+                try:
+                    fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+                except FileExistsError:
+                    return _finish(self, job_id, result)
+                os.write(fd, job_id.encode())
+                os.close(fd)
+                _die()
+                raise AssertionError("unreachable")
+
+            JobPipeline._finish = finish_or_crash  # type: ignore[method-assign]
+        elif kind == "poison":
+            build = JobPipeline._build_request
+
+            def build_or_die(self: JobPipeline, job: Any, _build: Any = build, _word: str = arg) -> Any:
+                request = _build(self, job)
+                if any(_word in part.get("text", "") for m in request.messages for part in m["content"]):
+                    _die()
+                return request
+
+            JobPipeline._build_request = build_or_die  # type: ignore[method-assign]
+        else:
+            raise SystemExit(f"unknown fault {fault!r}")
+
+
+if __name__ == "__main__":
+    install(os.environ.get("VLMQ_TEST_FAULTS", ""))
+    from common.cli import main
+
+    sys.argv = ["vlmq", *sys.argv[1:]]
+    main()
