@@ -12,6 +12,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from api.auth import KeyCache, get_tenant
 from api.deps import AppState
 from api.errors import BodySizeLimit, error_responses, install_error_handlers
+from api.job_writer import JobWriter
 from api.limits import OpenJobsCounter, RateLimiter, rate_limit
 from api.metrics import install_metrics
 from api.routes import batches, datasets, files, health, images, jobs, status
@@ -51,6 +52,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
+        app.state.job_writer.close()
         app.state.vlmq.db.dispose()
 
     app = FastAPI(title="vlmq", version="0.1.0", lifespan=lifespan,
@@ -61,6 +63,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         store=make_store(settings),
         celery=make_celery(settings),
     )
+    app.state.job_writer = JobWriter(app.state.vlmq)
     app.state.key_cache = KeyCache(settings.auth_cache_seconds)
     app.state.rate_limiter = RateLimiter(settings.tenant_requests_per_second, settings.broker_url)
     app.state.open_jobs = OpenJobsCounter()

@@ -30,8 +30,15 @@ class JobResult:
     completion_tokens: int
 
 
-def create_job(
-    session: Session,
+def create_job(session: Session, **fields: Any) -> Job:
+    """A queued job, written (flushed) in `session`; `fields` as new_job's."""
+    job = new_job(**fields)
+    session.add(job)
+    session.flush()
+    return job
+
+
+def new_job(
     *,
     model: str,
     request: dict[str, Any],
@@ -44,10 +51,10 @@ def create_job(
     tenant: str = DEFAULT_TENANT,
     dispatched: bool = True,
 ) -> Job:
-    """A queued job. `dispatched`: the caller sends its run_job message right after the commit; otherwise it
-    waits in SQL until common.dispatch sends it in its tenant's turn."""
+    """A queued job, not yet added to a session. `dispatched`: the caller sends its run_job message right
+    after the commit; otherwise it waits in SQL until common.dispatch sends it in its tenant's turn."""
     now = utcnow()
-    job = Job(
+    return Job(
         id=new_id("job"),
         tenant=tenant,
         dispatched_at=now if dispatched else None,
@@ -63,9 +70,6 @@ def create_job(
         attempts=0,
         created_at=now,
     )
-    session.add(job)
-    session.flush()
-    return job
 
 
 def _claimable(now: datetime) -> Any:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import re
+import threading
+from collections import OrderedDict
 from typing import Any
 
 from sqlalchemy import select
@@ -71,6 +73,38 @@ def store_image(session: Session, store: ObjectStore, data: bytes, settings: Set
     return session.get(ImageRecord, sha256, populate_existing=True)  # type: ignore[return-value]
 
 
+class KnownImages:
+    """Image ids this process has seen in SQL. Image rows are never deleted, so once seen an id stays valid,
+    and a job naming uploaded images needs no lookup (nor a session) after the first."""
+
+    def __init__(self, capacity: int = 100_000) -> None:
+        self.capacity = capacity
+        self._ids: OrderedDict[str, None] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __contains__(self, sha256: object) -> bool:
+        with self._lock:
+            if sha256 not in self._ids:
+                return False
+            self._ids.move_to_end(sha256)  # type: ignore[arg-type]
+            return True
+
+    def add(self, sha256: str) -> None:
+        with self._lock:
+            self._ids[sha256] = None
+            self._ids.move_to_end(sha256)
+            while len(self._ids) > self.capacity:
+                self._ids.popitem(last=False)
+
+
+known_images = KnownImages()
+
+
+def _known_image_id(url: str) -> str | None:
+    match = IMAGE_ID_RE.match(url)
+    return match.group(1) if match and match.group(1) in known_images else None
+
+
 def _resolve_image(url: str, session: Session, store: ObjectStore, settings: Settings) -> str:
     match = IMAGE_ID_RE.match(url)
     if match:
@@ -78,6 +112,7 @@ def _resolve_image(url: str, session: Session, store: ObjectStore, settings: Set
         if session.get(ImageRecord, sha256) is None:
             raise SubmissionError(f"unknown image id {url!r}: upload it with POST /v1/images first", 400,
                                   "unknown_image")
+        known_images.add(sha256)  # a committed row: this read saw it
         return sha256
     if url.startswith("data:"):
         try:
@@ -98,12 +133,19 @@ def _resolve_image(url: str, session: Session, store: ObjectStore, settings: Set
                           "invalid_image")
 
 
+def needs_session(req: ChatCompletionRequest) -> bool:
+    """Whether normalising `req` has images to look up or store (not only ids already known here)."""
+    return any(isinstance(part, ImagePart) and _known_image_id(part.image_url.url) is None
+               for m in req.messages if not isinstance(m.content, str) for part in m.content)
+
+
 def normalize_request(
-    req: ChatCompletionRequest, session: Session, store: ObjectStore, settings: Settings,
+    req: ChatCompletionRequest, session: Session | None, store: ObjectStore, settings: Settings,
     images: ImageCache | None = None,
 ) -> dict[str, Any]:
     """The job's stored request: messages with images replaced by content hashes, and sampling. With
-    `images` (one ingestion run's cache), an image reference met before is not resolved again."""
+    `images` (one ingestion run's cache), an image reference met before is not resolved again. Only a
+    request with images to resolve needs a `session` (see needs_session)."""
     messages: list[dict[str, Any]] = []
     num_images = 0
     for message in req.messages:
@@ -120,6 +162,12 @@ def normalize_request(
                     raise SubmissionError(f"a job may carry at most {settings.max_images_per_job} images",
                                           400, "too_many_images")
                 url = part.image_url.url
+                known = _known_image_id(url)
+                if known is not None:
+                    parts.append({"type": "image", "image_id": known})
+                    continue
+                if session is None:
+                    raise ValueError("a request with images to resolve is normalised in a session")
                 if images is None:
                     image_id = _resolve_image(url, session, store, settings)
                 else:
@@ -153,6 +201,19 @@ def resolve_model(requested: str | None, settings: Settings) -> str:
     return served
 
 
+def job_fields(
+    session: Session | None, store: ObjectStore, settings: Settings, req: ChatCompletionRequest, *,
+    priority: int = 5, metadata: dict[str, Any] | None = None, tenant: str = DEFAULT_TENANT,
+    batch_id: str | None = None, custom_id: str | None = None, dispatched: bool = True,
+) -> dict[str, Any]:
+    """common.jobs.new_job's arguments for `req`, checked and normalised (see normalize_request)."""
+    if isinstance(req, JobCreate):
+        priority, metadata = req.priority, req.metadata
+    return {"model": resolve_model(req.model, settings), "request": normalize_request(req, session, store, settings),
+            "priority": priority, "max_attempts": settings.max_attempts, "metadata": metadata,
+            "batch_id": batch_id, "custom_id": custom_id, "tenant": tenant, "dispatched": dispatched}
+
+
 def submit_job(
     session: Session,
     store: ObjectStore,
@@ -174,24 +235,14 @@ def submit_job(
         existing = _by_idempotency_key(session, tenant, idempotency_key)
         if existing is not None:
             return existing, False
-    if isinstance(req, JobCreate):
-        priority, metadata = req.priority, req.metadata
-    model = resolve_model(req.model, settings)
-    request = normalize_request(req, session, store, settings)
+    fields = job_fields(session, store, settings, req, priority=priority, metadata=metadata, tenant=tenant,
+                        batch_id=batch_id, custom_id=custom_id, dispatched=dispatched)
     if idempotency_key is None:
         # Nothing to race on (ids are random): no savepoint, which costs two round trips per job.
-        job = jobs.create_job(
-            session, model=model, request=request, priority=priority, max_attempts=settings.max_attempts,
-            metadata=metadata, batch_id=batch_id, custom_id=custom_id, tenant=tenant, dispatched=dispatched,
-        )
-        return job, True
+        return jobs.create_job(session, **fields), True
     try:
         with session.begin_nested():
-            job = jobs.create_job(
-                session, model=model, request=request, priority=priority, max_attempts=settings.max_attempts,
-                metadata=metadata, idempotency_key=idempotency_key, batch_id=batch_id, custom_id=custom_id,
-                tenant=tenant, dispatched=dispatched,
-            )
+            job = jobs.create_job(session, idempotency_key=idempotency_key, **fields)
     except IntegrityError:
         existing = _by_idempotency_key(session, tenant, idempotency_key)
         if existing is None:

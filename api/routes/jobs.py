@@ -17,13 +17,14 @@ from starlette.datastructures import UploadFile
 from api.auth import TenantDep
 from api.deps import AppState, SessionDep, StateDep
 from api.errors import error_responses
+from api.job_writer import JobWriter
 from api.limits import open_jobs_guard
 from common import batches, dispatch, jobs
 from common.models import Job, JobStatus
 from common.queue import send_finalize_batch, send_run_job
 from common.schemas import JobCreate, JobList, JobView
 from common.storage import ObjectNotFound
-from common.submission import SubmissionError, image_public_id, store_image, submit_job
+from common.submission import SubmissionError, image_public_id, job_fields, needs_session, store_image, submit_job
 from common.views import job_view
 
 log = logging.getLogger(__name__)
@@ -182,8 +183,22 @@ async def create_job(
     else:
         raise HTTPException(415, f"unsupported content type {content_type or '(none)'!r}: send application/json "
                                  "(a chat-completions body) or multipart/form-data (prompt + image files)")
-    body, created = await run_in_threadpool(_create, state, tenant, req, idempotency_key)
-    return Response(body, status_code=202 if created else 200, media_type="application/json")
+    if idempotency_key is not None:
+        body, created = await run_in_threadpool(_create, state, tenant, req, idempotency_key)
+        return Response(body, status_code=202 if created else 200, media_type="application/json")
+    # Jobs without images to resolve are checked right here; others look them up (or store them) in a
+    # session of their own.
+    if needs_session(req):
+        fields = await run_in_threadpool(_fields_with_images, state, tenant, req)
+    else:
+        fields = job_fields(None, state.store, state.settings, req, tenant=tenant)
+    writer: JobWriter = request.app.state.job_writer
+    return Response(await writer.write(fields), status_code=202, media_type="application/json")
+
+
+def _fields_with_images(state: AppState, tenant: str, req: JobCreate) -> dict[str, Any]:
+    with state.db.session() as session:
+        return job_fields(session, state.store, state.settings, req, tenant=tenant)
 
 
 @router.get("", response_model=JobList)

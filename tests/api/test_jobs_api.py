@@ -296,3 +296,22 @@ def test_nul_characters_are_kept_not_a_500(api: httpx.Client) -> None:
     form = api.post("/v1/jobs", data={"prompt": "x\u0000y", "metadata": '{"a": "\\u0000"}'})
     assert form.status_code == 202, form.text
     assert api.get(f"/v1/jobs/{form.json()['id']}").json()["metadata"] == {"a": "\u0000"}
+
+
+def test_concurrent_submissions_are_committed_together_and_each_answered(api: httpx.Client) -> None:
+    """POST /v1/jobs writes jobs that arrive together in one transaction (api/job_writer.py): every request
+    gets its own job, and a bad one among them is refused alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    image = api.post("/v1/images", files={"file": ("c.png", png_bytes((9, 90, 200)), "image/png")}).json()["id"]
+    bodies = [chat_body(image if i % 3 else None, text=f"job {i}", metadata={"i": str(i)}) for i in range(40)]
+    bodies[17] = {**chat_body(), "max_tokens": 10**9}
+    bodies[23] = chat_body("img_" + "0" * 64)
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(lambda b: api.post("/v1/jobs", json=b), bodies))
+    assert [a.status_code for a in answers] == [400 if i in (17, 23) else 202 for i in range(40)]
+    ids = [a.json()["id"] for a in answers if a.status_code == 202]
+    assert len(set(ids)) == 38
+    for i, job_id in zip([i for i in range(40) if i not in (17, 23)], ids, strict=True):
+        job = api.get(f"/v1/jobs/{job_id}").json()
+        assert job["status"] == "queued" and job["metadata"] == {"i": str(i)}, (i, job)  # its own answer
