@@ -74,7 +74,14 @@ class JobWriter:
                     self._queue.put(None)  # stop after this batch
                     break
                 batch.append(item)
-            self._write(batch)
+            # A request whose client went away before its turn is not written (it was never answered 202);
+            # the others can no longer be cancelled, so their answers can always be set.
+            batch = [p for p in batch if p.answer.set_running_or_notify_cancel()]
+            try:
+                if batch:
+                    self._write(batch)
+            except Exception:  # never let one batch stop the writer: every later request would hang
+                log.exception("job writer: a batch of %d failed", len(batch))
 
     def _write(self, batch: list[_Pending]) -> None:
         try:

@@ -211,8 +211,9 @@ class Process:
         return self.proc.poll() is None
 
     def signal(self, sig: int) -> None:
-        if self.alive():
-            os.kill(self.proc.pid, sig)
+        """To its whole process group: `ingest-worker --beat` runs beat in a child that would outlive it."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # the group may be gone already
+            os.killpg(self.proc.pid, sig)
 
     def tail(self, chars: int = 3000) -> str:
         return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
@@ -315,7 +316,7 @@ class FaultStack:
         with log.open("wb") as out:
             proc = subprocess.Popen([*entry, *args, "--loglevel", "INFO"], cwd=ROOT,
                                     env={**self.env(), "VLMQ_TEST_FAULTS": faults, **env},
-                                    stdout=out, stderr=subprocess.STDOUT)
+                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         process = Process(name, proc, log)
         self.processes.append(process)
         return process
