@@ -71,7 +71,7 @@ def hf_one_at_a_time(loaded: LoadedModel, jobs: list[GenerationRequest]) -> dict
     out = {}
     for job in jobs:
         prompt = loaded.processor.apply_chat_template(job.messages, add_generation_prompt=True, tokenize=False)
-        inputs = loaded.processor(text=prompt, images=job.images, return_tensors="pt")
+        inputs = loaded.processor(text=prompt, images=job.images or None, return_tensors="pt")
         with torch.inference_mode():
             ids = loaded.model.generate(**inputs, max_new_tokens=job.sampling.max_tokens, do_sample=False,
                                         eos_token_id=loaded.eos_token_ids, pad_token_id=loaded.tokenizer.pad_token_id)

@@ -1,0 +1,354 @@
+"""vlmq against its peers and against the machine, side by side in one run: the same jobs, the same checkpoint,
+greedy, fp32, the same max_tokens.
+
+    .venv/bin/python bench/compare.py --jobs 64 --models tiny,small --plot docs/compare.png
+    # vLLM CPU joins when its venv exists: bash bench/peers/setup.sh (default /work/peers-venv)
+
+Systems: (hf1) HF `generate` one job at a time, (hfb) HF padded batched `generate` in batches of 32,
+(engine) the vlmq engine alone, (service) vlmq as a user meets it: POST /v1/jobs over HTTP -> Postgres ->
+Redis -> `vlmq worker` -> S3 + SQL, polled until every job succeeded (its own redis-server, Postgres
+cluster and S3 server, tests/fault_stack.py), (vllm) vLLM's offline `LLM.generate` (bench/peers).
+Workloads: each model with one image per job, and the same prompts text-only, so the image tax shows: the
+extra wall time of the image jobs over the text jobs, against a batched vision forward of the same images
+alone. The machine: the fp32 GEMM peak measured in this run, the FLOPs each workload needs (vision, prefill,
+decode; counted from the configs and the token counts), and achieved/peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+
+import torch  # noqa: E402
+from engine import SPECS, WORDS, cpu_name, hf_one_at_a_time, hf_padded_batches, new_engine  # noqa: E402
+from PIL import Image  # noqa: E402
+
+from worker.engine.allocator import keep_freed_memory  # noqa: E402
+from worker.generation import GenerationRequest, SamplingParams  # noqa: E402
+from worker.model_loader import LoadedModel, load_model  # noqa: E402
+from worker.tiny_model import build_tiny_llava  # noqa: E402
+
+PEERS_VENV = Path(os.environ.get("VLMQ_PEERS_VENV", "/work/peers-venv"))
+# bench/engine.py's models, with head sizes vLLM's CPU attention has kernels for (tiny's 96/4 = 24 it has not).
+MODELS = {"tiny": replace(SPECS["tiny"], text_hidden=128), "small": SPECS["small"]}
+
+
+@dataclass
+class Run:
+    system: str
+    seconds: float
+    tokens: dict[str, list[int]] = field(default_factory=dict)  # job id -> generated ids (or text for service)
+
+
+def make_jobs(n: int, with_image: bool, max_tokens: int, seed: int = 0, prefix: str = "job") -> list[GenerationRequest]:
+    """Same prompts with or without their image (the image tax compares the two)."""
+    rng = random.Random(seed)
+    jobs = []
+    for i in range(n):
+        image = Image.new("RGB", (224, 224), tuple(rng.randint(0, 255) for _ in range(3)))
+        for _ in range(12):  # a few shapes, so images differ beyond their colour
+            x, y = rng.randint(0, 200), rng.randint(0, 200)
+            image.paste(tuple(rng.randint(0, 255) for _ in range(3)), (x, y, x + 24, y + 24))
+        words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(10, 40)))
+        content: list[dict[str, Any]] = [{"type": "text", "text": words}]
+        if with_image:
+            content.insert(0, {"type": "image"})
+        jobs.append(GenerationRequest(f"{prefix}-{i}", [{"role": "user", "content": content}],
+                                      [image] if with_image else [], SamplingParams(max_tokens=max_tokens)))
+    return jobs
+
+
+def hf_text_only_batches(loaded: LoadedModel, jobs: list[GenerationRequest]) -> dict[str, list[int]]:
+    """hfb for text-only jobs (bench/engine.py's batches pass one image per job)."""
+    out: dict[str, list[int]] = {}
+    tokenizer = loaded.processor.tokenizer
+    tokenizer.padding_side = "left"
+    for i in range(0, len(jobs), 32):
+        batch = jobs[i:i + 32]
+        prompts = [loaded.processor.apply_chat_template(j.messages, add_generation_prompt=True, tokenize=False)
+                   for j in batch]
+        inputs = loaded.processor(text=prompts, return_tensors="pt", padding=True)
+        with torch.inference_mode():
+            ids = loaded.model.generate(**inputs, max_new_tokens=max(j.sampling.max_tokens for j in batch),
+                                        do_sample=False, eos_token_id=loaded.eos_token_ids,
+                                        pad_token_id=tokenizer.pad_token_id)
+        width = inputs["input_ids"].shape[1]
+        for row, job in enumerate(batch):
+            tokens = ids[row, width:].tolist()[:job.sampling.max_tokens]
+            cut = next((k + 1 for k, t in enumerate(tokens) if t in loaded.eos_token_ids), len(tokens))
+            out[job.request_id] = tokens[:cut]
+    return out
+
+
+def run_engine(path: Path, jobs: list[GenerationRequest]) -> tuple[Run, list[int], list[int]]:
+    engine = new_engine(path)  # model load and KV allocation are start-up, not throughput
+    engine.generate(make_jobs(4, bool(jobs[0].images), 4, seed=99, prefix="warm"))
+    start = time.perf_counter()
+    results = engine.generate(jobs)
+    seconds = time.perf_counter() - start
+    return (Run("engine", seconds, {r.request_id: r.token_ids for r in results}),
+            [r.prompt_tokens for r in results], [len(r.token_ids) for r in results])
+
+
+def run_hf(loaded: LoadedModel, jobs: list[GenerationRequest], batched: bool) -> Run:
+    fn = (hf_padded_batches if jobs[0].images else hf_text_only_batches) if batched else hf_one_at_a_time
+    start = time.perf_counter()
+    tokens = fn(loaded, jobs)
+    return Run("hfb" if batched else "hf1", time.perf_counter() - start, tokens)
+
+
+def _data_url(image: Image.Image) -> str:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def run_service(path: Path, jobs: list[GenerationRequest], threads: int, work: Path, s3_endpoint: str) -> Run:
+    from tests.fault_stack import FaultStack, wait_for
+
+    stack = FaultStack(work, s3_endpoint, path, device="cpu", dtype="float32", kv_num_blocks=8192,
+                       max_num_seqs=256, max_num_batched_tokens=4096, sweep_interval_seconds=5).start()
+    try:
+        worker = stack.worker(concurrency=256, OMP_NUM_THREADS=str(threads))
+        stack.wait_worker_ready(worker)
+        bodies = []
+        for job in jobs:
+            content = [({"type": "image_url", "image_url": {"url": _data_url(job.images[0])}}
+                        if p["type"] == "image" else p) for p in job.messages[0]["content"]]
+            bodies.append({"messages": [{"role": "user", "content": content}],
+                           "max_tokens": job.sampling.max_tokens})
+        with stack.api.client() as client:
+            start = time.perf_counter()
+            ids = []
+            for body in bodies:
+                response = client.post("/v1/jobs", json=body)
+                assert response.status_code == 202, response.text
+                ids.append(response.json()["id"])
+            wait_for(lambda: stack.count(ids, "succeeded") == len(ids), 1800, "service jobs", interval=0.02)
+            seconds = time.perf_counter() - start
+            texts = {job.request_id: client.get(f"/v1/jobs/{job_id}").json()["result"]["text"]
+                     for job, job_id in zip(jobs, ids, strict=True)}
+        return Run("service", seconds, texts)  # type: ignore[arg-type]
+    finally:
+        stack.close()
+
+
+def run_vllm(path: Path, loaded: LoadedModel, jobs: list[GenerationRequest], threads: int, work: Path) -> Run | None:
+    python = PEERS_VENV / "bin" / "python"
+    if not python.exists():
+        print(f"  (vllm skipped: no peers venv at {PEERS_VENV}; bash bench/peers/setup.sh)")
+        return None
+    sys.path.insert(0, str(ROOT / "bench" / "peers"))
+    from convert import convert
+
+    model_dir = convert(path, work / f"{path.name}-vllm")
+
+    def spec(batch: list[GenerationRequest], tag: str) -> list[dict[str, Any]]:
+        out = []
+        for i, job in enumerate(batch):
+            image = None
+            if job.images:
+                image = str(work / f"{tag}-{i}.png")
+                job.images[0].save(image)
+            prompt = loaded.processor.apply_chat_template(job.messages, add_generation_prompt=True, tokenize=False)
+            out.append({"id": job.request_id, "prompt": prompt, "image": image, "max_tokens": job.sampling.max_tokens})
+        return out
+
+    warm = make_jobs(4, bool(jobs[0].images), 4, seed=99, prefix="warm")
+    jobs_file = work / "vllm-jobs.json"
+    jobs_file.write_text(json.dumps({"warmup": spec(warm, "warm"), "jobs": spec(jobs, "job")}))
+    proc = subprocess.run([str(python), str(ROOT / "bench" / "peers" / "vllm_run.py"), str(model_dir),
+                           str(jobs_file), "--threads", str(threads)], capture_output=True, text=True, timeout=3600,
+                          env={**os.environ, "PYTHONPATH": ""})
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("VLLM_RESULT ")), None)
+    if line is None:
+        print(f"  (vllm failed, exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        return None
+    result = json.loads(line.removeprefix("VLLM_RESULT "))
+    return Run("vllm", result["seconds"], result["tokens"])
+
+
+def vision_only_seconds(loaded: LoadedModel, images: list[Image.Image], batch: int = 64) -> float:
+    """The images of the workload through the vision tower and projector alone, in batches."""
+    pixels = loaded.processor.image_processor(images=images, return_tensors="pt")["pixel_values"]
+    with torch.inference_mode():
+        loaded.model.get_image_features(pixel_values=pixels[:4])  # warm-up
+        start = time.perf_counter()
+        for i in range(0, len(images), batch):
+            loaded.model.get_image_features(pixel_values=pixels[i:i + batch])
+    return time.perf_counter() - start
+
+
+def gemm_peak_gflops(n: int = 2048, repeats: int = 7) -> float:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        times.append(time.perf_counter() - start)
+    return 2 * n**3 / statistics.median(times) / 1e9
+
+
+def workload_flops(loaded: LoadedModel, prompt_tokens: list[int], generated: list[int], n_images: int) -> float:
+    """Matmul FLOPs of vision (per image, counted by torch's FlopCounterMode) plus the LM's prefill and
+    decode: 2 x weights per token and 4 x layers x heads x head_dim x context for attention."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    vision = 0.0
+    if n_images:
+        pixels = loaded.processor.image_processor(images=[Image.new("RGB", (224, 224))], return_tensors="pt")
+        with torch.inference_mode(), FlopCounterMode(display=False) as counter:
+            loaded.model.get_image_features(pixel_values=pixels["pixel_values"])
+        vision = counter.get_total_flops() * n_images
+    cfg = loaded.model.config.text_config
+    h, layers, inter = cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size
+    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    dh = getattr(cfg, "head_dim", None) or h // heads
+    linear = 2 * layers * (h * heads * dh + 2 * h * kv * dh + heads * dh * h + 3 * h * inter)
+    attn_per_ctx = 4 * layers * heads * dh
+    lm_head = 2 * h * cfg.vocab_size
+    total = vision
+    for p, g in zip(prompt_tokens, generated, strict=True):
+        total += (p + g) * linear + attn_per_ctx * ((p + g) * (p + g + 1) / 2) + g * lm_head
+    return total
+
+
+def agreement(run: Run, reference: Run, loaded: LoadedModel) -> str:
+    if run is reference:
+        return "ref"
+    same = 0
+    for job_id, ref in reference.tokens.items():
+        got = run.tokens.get(job_id)
+        if isinstance(got, str):
+            same += got == loaded.tokenizer.decode(ref, skip_special_tokens=True)
+        else:
+            same += got == ref
+    return f"{same}/{len(reference.tokens)}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--jobs", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--models", default="tiny,small")
+    parser.add_argument("--systems", default="hf1,hfb,engine,service,vllm")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--plot", type=Path, default=None)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    keep_freed_memory()
+    systems = args.systems.split(",")
+    peak = gemm_peak_gflops()
+    print(f"CPU: {cpu_name()}; torch {torch.__version__}, {args.threads} threads, fp32; "
+          f"GEMM 2048^2 peak measured now: {peak:.0f} GFLOP/s")
+    table: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        moto = None
+        if "service" in systems:
+            from tests.fault_stack import free_port, port_open, wait_for
+
+            port = free_port()
+            moto = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            wait_for(lambda: port_open(port), 30, "the S3 server")
+        try:
+            for name in args.models.split(","):
+                path = build_tiny_llava(work / name, seed=0, spec=MODELS[name])
+                loaded = load_model(str(path))
+                seconds_by: dict[tuple[str, str], float] = {}
+                for kind in ("image", "text"):
+                    jobs = make_jobs(args.jobs, kind == "image", args.max_tokens)
+                    runs: list[Run] = []
+                    engine_run, prompt_tokens, generated = run_engine(path, jobs)
+                    flops = workload_flops(loaded, prompt_tokens, generated, args.jobs if kind == "image" else 0)
+                    for system in systems:
+                        if system == "engine":
+                            runs.append(engine_run)
+                        elif system in ("hf1", "hfb"):
+                            runs.append(run_hf(loaded, jobs, system == "hfb"))
+                        elif system == "service":
+                            runs.append(run_service(path, jobs, args.threads, work / f"svc-{name}-{kind}",
+                                                    f"http://127.0.0.1:{port}"))
+                        elif system == "vllm":
+                            run = run_vllm(path, loaded, jobs, args.threads, work / f"vllm-{name}-{kind}")
+                            if run is not None:
+                                runs.append(run)
+                    reference = next((r for r in runs if r.system == "hf1"), engine_run)
+                    n_tokens = sum(generated)
+                    print(f"\n## {name}, {kind} jobs: {args.jobs} jobs, max_tokens {args.max_tokens}, "
+                          f"{n_tokens} tokens generated, {flops / 1e9:.1f} GFLOP of work")
+                    print(f"{'system':<9}{'seconds':>9}{'jobs/s':>9}{'tok/s':>9}{'vs engine':>11}{'of peak':>9}"
+                          f"{'same as ' + reference.system:>13}")
+                    for run in runs:
+                        seconds_by[(run.system, kind)] = run.seconds
+                        row = {"model": name, "kind": kind, "system": run.system, "seconds": run.seconds,
+                               "jobs_per_s": args.jobs / run.seconds, "tokens_per_s": n_tokens / run.seconds,
+                               "of_peak": flops / run.seconds / (peak * 1e9),
+                               "agreement": agreement(run, reference, loaded)}
+                        table.append(row)
+                        print(f"{run.system:<9}{run.seconds:>9.2f}{row['jobs_per_s']:>9.1f}{row['tokens_per_s']:>9.0f}"
+                              f"{engine_run.seconds / run.seconds:>10.2f}x{100 * row['of_peak']:>8.1f}%"
+                              f"{row['agreement']:>13}")
+                images = [j.images[0] for j in make_jobs(args.jobs, True, args.max_tokens)]
+                vision = vision_only_seconds(loaded, images)
+                print(f"\nimage tax ({name}): batched vision alone {vision:.2f}s for {args.jobs} images")
+                for system in systems:
+                    if (system, "image") in seconds_by and (system, "text") in seconds_by:
+                        extra = seconds_by[(system, "image")] - seconds_by[(system, "text")]
+                        print(f"  {system:<8} image jobs took {extra:+.2f}s over text jobs = "
+                              f"{extra / vision:.2f}x the vision time")
+        finally:
+            if moto is not None:
+                moto.terminate()
+    if args.json:
+        args.json.write_text(json.dumps({"peak_gflops": peak, "rows": table}, indent=2))
+    if args.plot:
+        plot(table, args.plot)
+
+
+def plot(table: list[dict[str, Any]], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({(r["model"], r["kind"]) for r in table})
+    systems = list(dict.fromkeys(r["system"] for r in table))
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    width = 0.8 / len(systems)
+    for k, system in enumerate(systems):
+        values = [next((r["jobs_per_s"] for r in table if (r["model"], r["kind"]) == g and r["system"] == system), 0)
+                  for g in groups]
+        ax.bar([i + k * width for i in range(len(groups))], values, width, label=system)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))], [f"{m}\n{k}" for m, k in groups])
+    ax.set_ylabel("jobs/s (higher is better)")
+    ax.set_yscale("log")
+    ax.set_title("Throughput per system and workload (same jobs, greedy, fp32, 2 CPU threads)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    print(f"plot: {out}")
+
+
+if __name__ == "__main__":
+    main()
