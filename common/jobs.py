@@ -77,12 +77,21 @@ def _claimable(now: datetime) -> Any:
     return and_(or_(Job.status == JobStatus.QUEUED, expired), Job.attempts < Job.max_attempts)
 
 
-def claim(session: Session, job_id: str, worker_id: str, lease_seconds: float) -> Job | None:
-    """Take the job for `worker_id`; None when someone else has it or it is finished (a duplicate message)."""
+def _is_last_try() -> Any:
+    return and_(Job.max_attempts > 1, Job.attempts + 1 >= Job.max_attempts)
+
+
+def claim(session: Session, job_id: str, worker_id: str, lease_seconds: float, *,
+          unless_last_try: bool = False) -> Job | None:
+    """Take the job for `worker_id`; None when someone else has it or it is finished (a duplicate message),
+    or, with `unless_last_try`, when this would start its last attempt (of several)."""
     now = utcnow()
+    condition = _claimable(now)
+    if unless_last_try:
+        condition = and_(condition, ~_is_last_try())
     stmt = (
         update(Job)
-        .where(Job.id == job_id, _claimable(now))
+        .where(Job.id == job_id, condition)
         .values(
             status=JobStatus.RUNNING,
             lease_owner=worker_id,
@@ -90,11 +99,16 @@ def claim(session: Session, job_id: str, worker_id: str, lease_seconds: float) -
             attempts=Job.attempts + 1,
             started_at=now,
         )
-        .execution_options(synchronize_session=False)
+        .returning(Job)  # one round trip: the claimed row comes back with the UPDATE
+        .execution_options(synchronize_session=False, populate_existing=True)
     )
-    if session.execute(stmt).rowcount != 1:
-        return None
-    return session.get(Job, job_id, populate_existing=True)
+    return session.scalars(stmt).one_or_none()
+
+
+def is_claimable_last_try(session: Session, job_id: str) -> bool:
+    """Whether the job could be claimed now, for its last attempt (of several)."""
+    stmt = select(Job.id).where(Job.id == job_id, _claimable(utcnow()), _is_last_try())
+    return session.scalar(stmt) is not None
 
 
 def heartbeat(session: Session, job_ids: list[str], worker_id: str, lease_seconds: float) -> int:

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from sqlalchemy import select
 from tenacity import (
     Retrying,
     retry,
@@ -50,6 +49,10 @@ _infra_retry = retry(
 class Outcome:
     status: str  # the job's status after this attempt, or "skipped" for a duplicate delivery
     retry: bool = False
+    # Of the job that ran (None when skipped): what the after-job bookkeeping needs, without a query.
+    tenant: str | None = None
+    model: str | None = None
+    batch_id: str | None = None
 
 
 class JobPipeline:
@@ -74,29 +77,39 @@ class JobPipeline:
                                       wait=wait_exponential(multiplier=0.2, max=5), reraise=True)
 
     def run(self, job_id: str) -> Outcome:
-        # Claimed only once through the gate: a job waiting there behind a solo run that crashes the process
-        # has not spent an attempt on it.
-        with self.gate.solo() if self._is_last_try(job_id) else self.gate.shared():
+        # The common case, one query: claim it unless this would be its last try. A last try runs alone, and
+        # is claimed only once through the gate, so that a job waiting there behind a solo run that crashes
+        # the process has not spent its last attempt on it.
+        with self.gate.shared():
+            job = self._claim(job_id, unless_last_try=True)
+            if job is not None:
+                return self._run_leased(job)
+        if not self._claimable_last_try(job_id):
+            return Outcome("skipped")  # a duplicate delivery: someone holds it, or it has ended
+        with self.gate.solo():
             job = self._claim(job_id)
             if job is None:
                 return Outcome("skipped")
-            self.leases.add(job_id)
-            try:
-                return self._run_claimed(job)
-            finally:
-                self.leases.discard(job_id)
+            return self._run_leased(job)
+
+    def _run_leased(self, job: Job) -> Outcome:
+        self.leases.add(job.id)
+        try:
+            outcome = self._run_claimed(job)
+        finally:
+            self.leases.discard(job.id)
+        return replace(outcome, tenant=job.tenant, model=job.model, batch_id=job.batch_id)
 
     @_infra_retry
-    def _is_last_try(self, job_id: str) -> bool:
-        """Whether claiming the job now would start its last attempt (of several)."""
+    def _claimable_last_try(self, job_id: str) -> bool:
         with self.db.session() as session:
-            row = session.execute(select(Job.attempts, Job.max_attempts).where(Job.id == job_id)).first()
-        return row is not None and row.max_attempts > 1 and row.attempts + 1 >= row.max_attempts
+            return jobs.is_claimable_last_try(session, job_id)
 
     @_infra_retry
-    def _claim(self, job_id: str) -> Job | None:
+    def _claim(self, job_id: str, unless_last_try: bool = False) -> Job | None:
         with self.db.session() as session:
-            return jobs.claim(session, job_id, self.worker_id, self.settings.lease_seconds)
+            return jobs.claim(session, job_id, self.worker_id, self.settings.lease_seconds,
+                              unless_last_try=unless_last_try)
 
     def _run_claimed(self, job: Job) -> Outcome:
         try:

@@ -30,6 +30,7 @@ from common.queue import (
 from common.settings import Settings, get_settings
 from common.storage import ObjectStore, make_store
 from worker.context import get_context
+from worker.pipeline import Outcome
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ def register_tasks(app: Celery) -> None:
             # SQL unreachable before the job was even claimed: the row is still queued, so deliver again later.
             raise self.retry(exc=exc, countdown=ctx.settings.retry_backoff_seconds, max_retries=20) from exc
         if not outcome.retry and outcome.status != "skipped":
-            _after_job(app, ctx.db, ctx.settings, job_id)
+            _after_job(app, ctx.db, ctx.settings, job_id, outcome)
         if outcome.retry:
             raise self.retry(countdown=_backoff(self, ctx.settings.retry_backoff_seconds))
         return outcome.status
@@ -162,18 +163,24 @@ def _republish_lost(ctx: BatchContext) -> None:
         log.warning("%d queued jobs had no message in the broker; sending them again", len(lost))
 
 
-def _after_job(app: Celery, db: Database, settings: Settings, job_id: str) -> None:
+def _after_job(app: Celery, db: Database, settings: Settings, job_id: str, outcome: Outcome) -> None:
     """Refill the tenant's dispatch window, and send finalize_batch when this job was the last open one of
     its batch.
 
     Checked here, right after each job ends, rather than only by a periodic sweep: a batch completes as
-    soon as its last job does, and the check is one indexed query. A job that ends elsewhere (reaped to
-    `dead`) is caught by the sweep task. Several last jobs ending together may each send it; finalization
-    is idempotent."""
+    soon as its last job does, and the check is one indexed query (none for a job of no batch). A job that
+    ends elsewhere (reaped to `dead`) is caught by the sweep task. Several last jobs ending together may
+    each send it; finalization is idempotent."""
     try:
-        dispatch.top_up_after_job(db, job_id, settings.dispatch_window, model_sender(app, settings))
+        if outcome.tenant is not None and outcome.model is not None:
+            dispatch.top_up(db, outcome.tenant, outcome.model, settings.dispatch_window,
+                            model_sender(app, settings), min_room=dispatch.refill_threshold(settings.dispatch_window))
+        else:
+            dispatch.top_up_after_job(db, job_id, settings.dispatch_window, model_sender(app, settings))
     except Exception:
         log.exception("dispatch top-up after job %s failed", job_id)  # the sweep tops up later
+    if outcome.tenant is not None and outcome.batch_id is None:
+        return  # a single job: no batch to finalize
     try:
         with db.session() as session:
             batch_id = batches.ready_after_job(session, job_id)
