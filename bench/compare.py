@@ -75,28 +75,6 @@ def make_jobs(n: int, with_image: bool, max_tokens: int, seed: int = 0, prefix: 
     return jobs
 
 
-def hf_text_only_batches(loaded: LoadedModel, jobs: list[GenerationRequest]) -> dict[str, list[int]]:
-    """hfb for text-only jobs (bench/engine.py's batches pass one image per job)."""
-    out: dict[str, list[int]] = {}
-    tokenizer = loaded.processor.tokenizer
-    tokenizer.padding_side = "left"
-    for i in range(0, len(jobs), 32):
-        batch = jobs[i:i + 32]
-        prompts = [loaded.processor.apply_chat_template(j.messages, add_generation_prompt=True, tokenize=False)
-                   for j in batch]
-        inputs = loaded.processor(text=prompts, return_tensors="pt", padding=True)
-        with torch.inference_mode():
-            ids = loaded.model.generate(**inputs, max_new_tokens=max(j.sampling.max_tokens for j in batch),
-                                        do_sample=False, eos_token_id=loaded.eos_token_ids,
-                                        pad_token_id=tokenizer.pad_token_id)
-        width = inputs["input_ids"].shape[1]
-        for row, job in enumerate(batch):
-            tokens = ids[row, width:].tolist()[:job.sampling.max_tokens]
-            cut = next((k + 1 for k, t in enumerate(tokens) if t in loaded.eos_token_ids), len(tokens))
-            out[job.request_id] = tokens[:cut]
-    return out
-
-
 def run_engine(path: Path, jobs: list[GenerationRequest]) -> tuple[Run, list[int], list[int]]:
     engine = new_engine(path)  # model load and KV allocation are start-up, not throughput
     engine.generate(make_jobs(4, bool(jobs[0].images), 4, seed=99, prefix="warm"))
@@ -108,9 +86,8 @@ def run_engine(path: Path, jobs: list[GenerationRequest]) -> tuple[Run, list[int
 
 
 def run_hf(loaded: LoadedModel, jobs: list[GenerationRequest], batched: bool) -> Run:
-    fn = (hf_padded_batches if jobs[0].images else hf_text_only_batches) if batched else hf_one_at_a_time
     start = time.perf_counter()
-    tokens = fn(loaded, jobs)
+    tokens = (hf_padded_batches if batched else hf_one_at_a_time)(loaded, jobs)
     return Run("hfb" if batched else "hf1", time.perf_counter() - start, tokens)
 
 

@@ -88,8 +88,8 @@ def hf_padded_batches(loaded: LoadedModel, jobs: list[GenerationRequest], batch_
         batch = jobs[i : i + batch_size]
         prompts = [loaded.processor.apply_chat_template(j.messages, add_generation_prompt=True, tokenize=False)
                    for j in batch]
-        inputs = loaded.processor(text=prompts, images=[j.images[0] for j in batch], return_tensors="pt",
-                                  padding=True)
+        images = [j.images[0] for j in batch] if batch[0].images else None  # text-only jobs: no images
+        inputs = loaded.processor(text=prompts, images=images, return_tensors="pt", padding=True)
         with torch.inference_mode():
             ids = loaded.model.generate(**inputs, max_new_tokens=max(j.sampling.max_tokens for j in batch),
                                         do_sample=False, eos_token_id=loaded.eos_token_ids,
