@@ -46,6 +46,7 @@ class RunResult:
     over_attempts: int
     attempts: dict[int, int]
     events: list[str] = field(default_factory=list)
+    maintenance_restarts: int = 0
 
     @property
     def clean(self) -> bool:
@@ -94,6 +95,7 @@ class Supervisor:
 def one_run(stack: FaultStack, name: str, n_jobs: int, n_workers: int, kills: int, restarts: bool, seed: int,
             timeout: float) -> RunResult:
     rng = random.Random(seed)
+    restarts_before = stack.maintenance_restarts
     supervisor = Supervisor(stack, n_workers).start()
     try:
         started = time.monotonic()
@@ -124,7 +126,8 @@ def one_run(stack: FaultStack, name: str, n_jobs: int, n_workers: int, kills: in
     report = stack.report(job_ids)
     return RunResult(name, n_jobs, seconds, dict(report.statuses), len(report.lost), len(report.stuck),
                      len(report.duplicated), len(report.missing_result), len(report.over_attempts),
-                     dict(sorted(report.attempts.items())), supervisor.events)
+                     dict(sorted(report.attempts.items())), supervisor.events,
+                     stack.maintenance_restarts - restarts_before)
 
 
 def cpu_name() -> str:
@@ -178,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r.name:<12} {r.seconds:>8.1f} {r.lost:>5} {r.stuck:>6} {r.duplicated:>4} {r.missing_result:>9} "
               f"{r.over_attempts:>5}  {r.statuses}  {r.attempts}")
     base, chaos = results
+    print(f"maintenance process restarted (as compose's restart policy would): {chaos.maintenance_restarts}x")
     print(f"chaos events: {len(chaos.events)}")
     for event in chaos.events:
         print(f"  {event}")

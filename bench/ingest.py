@@ -155,7 +155,7 @@ def ingest_once(env: Environment, jsonl: Path, code: Path, chunk_rows: int | Non
     file_id = new_file_id()
     objects = Path(settings.storage_dir)  # type: ignore[arg-type]
     (objects / "files").mkdir(parents=True, exist_ok=True)
-    key = file_key(file_id)
+    key = file_key(file_id, "bench")
     os.link(jsonl, objects / key) if not (objects / key).exists() else None
     with db.session() as session:
         add_file(session, file_id=file_id, key=key, size=jsonl.stat().st_size, filename="in.jsonl", purpose="batch",

@@ -21,7 +21,7 @@ from botocore.exceptions import ClientError
 from sqlalchemy.orm import Session
 
 from common.models import FileRecord, utcnow
-from common.storage import LocalObjectStore, ObjectNotFound, ObjectStore, S3ObjectStore
+from common.storage import LocalObjectStore, ObjectNotFound, ObjectStore, S3ObjectStore, tenant_prefix
 
 # S3 refuses multipart parts under 5 MiB (except the last); 8 MiB keeps a writer's memory small and the
 # number of parts of a 200 MB upload far below S3's 10,000.
@@ -240,8 +240,8 @@ def open_seekable(store: ObjectStore, key: str, size: int) -> io.BufferedReader:
     return io.BufferedReader(io.BytesIO(store.get(key)))  # type: ignore[arg-type]
 
 
-def file_key(file_id: str) -> str:
-    return f"files/{file_id}"
+def file_key(file_id: str, tenant: str) -> str:
+    return f"{tenant_prefix(tenant)}files/{file_id}"
 
 
 def add_file(session: Session, *, file_id: str, key: str, size: int, filename: str, purpose: str,

@@ -1,7 +1,7 @@
 """Object storage: S3 (any endpoint: AWS, MinIO, moto) or a local folder, behind one small interface.
 
-Keys are ours (`images/<sha256>`, `results/<job_id>.json`), but the local backend still refuses any key that
-would leave its root.
+Keys are ours (`images/<sha256>`, `tenants/<tenant>/results/<job_id>.json`, ...), but the local backend still
+refuses any key that would leave its root.
 """
 
 from __future__ import annotations
@@ -175,5 +175,11 @@ def image_key(sha256: str) -> str:
     return f"images/{sha256}"
 
 
-def result_key(job_id: str) -> str:
-    return f"results/{job_id}.json"
+def tenant_prefix(tenant: str) -> str:
+    """Every object of a tenant's lies under this (bucket policies and audits can follow tenants); images are
+    the exception: stored once by content hash, shared by every job that uses the same bytes."""
+    return f"tenants/{tenant}/"
+
+
+def result_key(job_id: str, tenant: str) -> str:
+    return f"{tenant_prefix(tenant)}results/{job_id}.json"

@@ -249,6 +249,7 @@ class FaultStack:
         self.model = model
         self.settings_env = {f"VLMQ_{k.upper()}": str(v) for k, v in settings.items()}
         self.processes: list[Process] = []
+        self.maintenance_restarts = 0
         self.api: Any = None
         self._n = 0
 
@@ -293,9 +294,24 @@ class FaultStack:
         upgrade(settings.database_url)
         self.api = ApiServer(settings).__enter__()
         self.maintenance = self.spawn("maintenance", ["ingest-worker", "--beat"])
+        self._closing = threading.Event()
+        self._keeper = threading.Thread(target=self._keep_maintenance, daemon=True)
+        self._keeper.start()
         return self
 
+    def _keep_maintenance(self) -> None:
+        """Restart the maintenance process when it exits, as compose's `restart: unless-stopped` does: Celery
+        beat can exit on a broker reconnect (a kombu error while closing its channel, seen after a Redis
+        restart), and the reaper and republisher must come back."""
+        while not self._closing.wait(0.5):
+            if not self.maintenance.alive():
+                self.maintenance_restarts += 1
+                self.maintenance = self.spawn("maintenance", ["ingest-worker", "--beat"])
+
     def close(self) -> None:
+        if hasattr(self, "_closing"):
+            self._closing.set()
+            self._keeper.join(5)  # no restart after this point
         for p in self.processes:
             p.signal(signal.SIGKILL)
         for p in self.processes:
@@ -370,13 +386,15 @@ class FaultStack:
         import json
 
         from common.models import Job
+        from common.storage import result_key
 
         s3 = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{self.s3_target}", region_name="us-east-1",
                           aws_access_key_id="testing", aws_secret_access_key="testing")
         objects: Counter[str] = Counter()
-        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix="results/"):
+        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket):
             for obj in page.get("Contents", []):
-                objects[obj["Key"]] += 1
+                if "/results/" in obj["Key"] or obj["Key"].startswith("results/"):
+                    objects[obj["Key"]] += 1
         with self._db().session() as session:
             rows = {j.id: j for j in session.scalars(select(Job).where(Job.id.in_(job_ids)))}
         lost, stuck, duplicated, missing, over = [], [], [], [], []
@@ -391,8 +409,8 @@ class FaultStack:
             attempts[job.attempts] += 1
             if job.attempts > job.max_attempts:
                 over.append(job_id)
-            key = f"results/{job_id}.json"
-            others = [k for k in objects if k.startswith(f"results/{job_id}") and k != key]
+            key = result_key(job_id, job.tenant)
+            others = [k for k in objects if job_id in k and k != key]
             if others or objects[key] > 1 or (objects[key] and job.status != "succeeded"):
                 duplicated.append(job_id)
             if job.status == "succeeded":

@@ -20,7 +20,7 @@ from common.batch_input import LineError, job_line, refused_line
 from common.db import Database
 from common.files import ObjectWriter, add_file, open_writer
 from common.models import Batch, BatchLineError, BatchStatus, Job, JobStatus, new_file_id
-from common.storage import ObjectNotFound, ObjectStore
+from common.storage import ObjectNotFound, ObjectStore, tenant_prefix
 
 log = logging.getLogger(__name__)
 
@@ -71,12 +71,12 @@ class _JsonlObject:
             self.writer.abort()
 
 
-def output_key(batch_id: str) -> str:
-    return f"batches/{batch_id}/output.jsonl"
+def output_key(batch_id: str, tenant: str) -> str:
+    return f"{tenant_prefix(tenant)}batches/{batch_id}/output.jsonl"
 
 
-def error_key(batch_id: str) -> str:
-    return f"batches/{batch_id}/errors.jsonl"
+def error_key(batch_id: str, tenant: str) -> str:
+    return f"{tenant_prefix(tenant)}batches/{batch_id}/errors.jsonl"
 
 
 def finalize_batch(batch_id: str, db: Database, store: ObjectStore) -> str:
@@ -102,7 +102,7 @@ def finalize_batch(batch_id: str, db: Database, store: ObjectStore) -> str:
         else:
             return batch.status
         tenant = batch.tenant
-    output, errors = _JsonlObject(store, output_key(batch_id)), _JsonlObject(store, error_key(batch_id))
+    output, errors = _JsonlObject(store, output_key(batch_id, tenant)), _JsonlObject(store, error_key(batch_id, tenant))
     try:
         stopped_code = "batch_expired" if final == BatchStatus.EXPIRED else "batch_cancelled"
         tally = _write_lines(batch_id, db, store, output, errors, stopped_code)
@@ -117,8 +117,8 @@ def finalize_batch(batch_id: str, db: Database, store: ObjectStore) -> str:
                 "completed_requests": tally.completed, "failed_requests": tally.failed,
                 "input_tokens": tally.input_tokens, "output_tokens": tally.output_tokens,
             }
-            for kind, key, size in (("output", output_key(batch_id), output_size),
-                                    ("error", error_key(batch_id), error_size)):
+            for kind, key, size in (("output", output_key(batch_id, tenant), output_size),
+                                    ("error", error_key(batch_id, tenant), error_size)):
                 if size is not None:
                     record = add_file(session, file_id=new_file_id(), key=key, size=size,
                                       filename=f"{batch_id}_{kind}.jsonl", purpose="batch_output",

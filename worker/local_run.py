@@ -60,7 +60,7 @@ class RunSummary:
 def _store_file(db: Database, store: ObjectStore, path: Path, purpose: str = "batch") -> str:
     """The local file as a vlmq file (streamed into the object store), as POST /v1/files would keep it."""
     file_id = new_file_id()
-    writer = open_writer(store, file_key(file_id))
+    writer = open_writer(store, file_key(file_id, DEFAULT_TENANT))
     try:
         with path.open("rb") as f:
             while chunk := f.read(COPY_CHUNK_BYTES):
@@ -70,8 +70,8 @@ def _store_file(db: Database, store: ObjectStore, path: Path, purpose: str = "ba
         writer.abort()
         raise
     with db.session() as session:
-        add_file(session, file_id=file_id, key=file_key(file_id), size=size, filename=path.name, purpose=purpose,
-                 tenant=DEFAULT_TENANT)
+        add_file(session, file_id=file_id, key=file_key(file_id, DEFAULT_TENANT), size=size, filename=path.name,
+                 purpose=purpose, tenant=DEFAULT_TENANT)
     return file_id
 
 

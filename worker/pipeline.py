@@ -128,7 +128,7 @@ class JobPipeline:
             job.id, job.model, int(job.created_at.timestamp()), result.text, result.finish_reason,
             result.prompt_tokens, result.completion_tokens,
         )
-        key = result_key(job.id)
+        key = result_key(job.id, job.tenant)
         job_result = jobs.JobResult(key, result.text, result.finish_reason, result.prompt_tokens,
                                     result.completion_tokens)
         try:

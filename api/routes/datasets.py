@@ -46,14 +46,14 @@ _DOC = {
 }
 
 
-def _discard(state: AppState, file_ids: list[str]) -> None:
+def _discard(state: AppState, tenant: str, file_ids: list[str]) -> None:
     with state.db.session() as session:
         for file_id in file_ids:
             record = session.get(FileRecord, file_id)
             if record is not None:
                 session.delete(record)
     for file_id in file_ids:
-        state.store.delete(file_key(file_id))
+        state.store.delete(file_key(file_id, tenant))
 
 
 def _body(fields: dict[str, str], manifest_id: str, images_id: str | None) -> BatchCreate:
@@ -71,7 +71,7 @@ async def create_dataset_batch(request: Request, state: StateDep, tenant: Tenant
     if content_type(request) != "multipart/form-data":
         raise HTTPException(415, "send multipart/form-data with a 'manifest' file and an 'images' archive")
     ids = {"manifest": new_file_id(), "images": new_file_id()}
-    upload = await receive_upload(request, state.store, {name: file_key(i) for name, i in ids.items()},
+    upload = await receive_upload(request, state.store, {name: file_key(i, tenant) for name, i in ids.items()},
                                   state.settings.max_file_bytes)
     received = [ids[name] for name in upload.files]
     try:
@@ -82,6 +82,6 @@ async def create_dataset_batch(request: Request, state: StateDep, tenant: Tenant
             await run_in_threadpool(add_uploaded, state, tenant, ids[name], uploaded)
         view: dict[str, Any] = await run_in_threadpool(create, state, tenant, body)
     except BaseException:
-        await run_in_threadpool(_discard, state, received)
+        await run_in_threadpool(_discard, state, tenant, received)
         raise
     return JSONResponse(view)

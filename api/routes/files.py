@@ -66,7 +66,8 @@ async def create_file(request: Request, state: StateDep, tenant: TenantDep) -> J
         raise HTTPException(415, f"unsupported content type {content_type(request) or '(none)'!r}: upload the file "
                                  "as multipart/form-data with fields 'file' and 'purpose'")
     file_id = new_file_id()
-    upload = await receive_upload(request, state.store, {"file": file_key(file_id)}, state.settings.max_file_bytes)
+    upload = await receive_upload(request, state.store, {"file": file_key(file_id, tenant)},
+                                  state.settings.max_file_bytes)
     purpose = upload.fields.get("purpose")
     problem = ("multipart field 'file' (the file) is required" if "file" not in upload.files
                else "multipart field 'purpose' is required (vlmq accepts purpose='batch')" if purpose is None
@@ -74,7 +75,7 @@ async def create_file(request: Request, state: StateDep, tenant: TenantDep) -> J
                     "only (purpose='batch')" if purpose != "batch" else None)
     if problem is not None:
         if "file" in upload.files:
-            await run_in_threadpool(state.store.delete, file_key(file_id))
+            await run_in_threadpool(state.store.delete, file_key(file_id, tenant))
         raise SubmissionError(problem)
     return JSONResponse(await run_in_threadpool(add_uploaded, state, tenant, file_id, upload.files["file"]))
 

@@ -131,3 +131,18 @@ def test_tenant_limits_answer_429_with_retry_after(service_env: dict[str, str]) 
         over = client.post("/v1/jobs", json=chat_body())
         assert over.status_code == 429 and "jobs queued or running" in over.json()["error"]["message"]
         assert neighbour.post("/v1/jobs", json=chat_body()).status_code == 202
+
+
+def test_each_tenants_objects_lie_under_its_own_prefix(server: ApiServer, service_env: dict[str, str]) -> None:
+    import boto3
+
+    s3 = boto3.client("s3", endpoint_url=service_env["VLMQ_S3_ENDPOINT_URL"], region_name="us-east-1",
+                      aws_access_key_id="testing", aws_secret_access_key="testing")
+    bucket = service_env["VLMQ_S3_BUCKET"]
+    other_key = server.make_key("initech")
+    for tenant, key in (("acme", server.api_key), ("initech", other_key)):
+        with server.client(api_key=key) as client:
+            file_id = client.post("/v1/files", data={"purpose": "batch"},
+                                  files={"file": ("in.jsonl", b"{}\n", "application/jsonl")}).json()["id"]
+        listed = s3.list_objects_v2(Bucket=bucket, Prefix=f"tenants/{tenant}/files/")
+        assert f"tenants/{tenant}/files/{file_id}" in {o["Key"] for o in listed.get("Contents", [])}

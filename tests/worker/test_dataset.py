@@ -46,9 +46,10 @@ def store(settings: Settings) -> ObjectStore:
 
 def upload(db: Database, store: ObjectStore, data: bytes, filename: str) -> str:
     file_id = new_file_id()
-    store.put(file_key(file_id), data)
+    store.put(file_key(file_id, "default"), data)
     with db.session() as session:
-        add_file(session, file_id=file_id, key=file_key(file_id), size=len(data), filename=filename, purpose="batch",
+        add_file(session, file_id=file_id, key=file_key(file_id, "default"), size=len(data),
+                 filename=filename, purpose="batch",
                  tenant="default")
     return file_id
 

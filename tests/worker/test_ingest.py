@@ -75,9 +75,9 @@ def line(custom_id: str, text: str = "hi", image: bytes | None = None, **body: A
 
 def make_batch(db: Database, store: ObjectStore, data: bytes) -> str:
     file_id = new_file_id()
-    store.put(file_key(file_id), data)
+    store.put(file_key(file_id, "default"), data)
     with db.session() as session:
-        add_file(session, file_id=file_id, key=file_key(file_id), size=len(data), filename="in.jsonl",
+        add_file(session, file_id=file_id, key=file_key(file_id, "default"), size=len(data), filename="in.jsonl",
                  purpose="batch", tenant="default")
         return batches.create_batch(session, input_file_id=file_id, endpoint="/v1/chat/completions",
                                     completion_window="24h", model=MODEL, metadata=None).id
@@ -198,10 +198,10 @@ def test_batches_that_cannot_run_fail_with_errors(settings: Settings, db: Databa
 
 def _finish(db: Database, store: ObjectStore, job: Job, text: str) -> None:
     body = chat_completion(job.id, job.model, 0, text, "stop", 5, 2)
-    store.put(result_key(job.id), json.dumps(body).encode())
+    store.put(result_key(job.id, job.tenant), json.dumps(body).encode())
     with db.session() as session:
         assert jobs.claim(session, job.id, "w", 60)
-        assert jobs.finish(session, job.id, "w", jobs.JobResult(result_key(job.id), text, "stop", 5, 2))
+        assert jobs.finish(session, job.id, "w", jobs.JobResult(result_key(job.id, job.tenant), text, "stop", 5, 2))
 
 
 def _read_jsonl(store: ObjectStore, db: Database, file_id: str) -> list[dict[str, Any]]:
@@ -335,5 +335,5 @@ def test_ingest_and_finalize_on_sqlite_and_a_local_folder(tmp_path: Path) -> Non
     batch = get_batch(db, batch_id)
     output = _read_jsonl(store, db, batch.output_file_id or "")
     assert sorted(o["custom_id"] for o in output) == ["a", "b", "c"]
-    assert (tmp_path / "objects" / "batches" / batch_id / "output.jsonl").is_file()
+    assert (tmp_path / "objects" / "tenants" / "default" / "batches" / batch_id / "output.jsonl").is_file()
     db.dispose()

@@ -55,7 +55,7 @@ def test_vlmq_run_embedded_matches_hf(tiny_llava_path: Path, tmp_path: Path) -> 
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "13 succeeded" in proc.stderr and "4 refused" in proc.stderr, proc.stderr[-2000:]
     assert (tmp_path / "state" / "vlmq.db").exists()  # embedded SQLite
-    assert any((tmp_path / "state" / "objects" / "results").iterdir())  # local object folder
+    assert any((tmp_path / "state" / "objects" / "tenants" / "default" / "results").iterdir())  # local folder
 
     lines = [json.loads(line) for line in output_path.read_text().splitlines()]
     assert len(lines) == 17

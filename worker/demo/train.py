@@ -1,10 +1,11 @@
 """Train the bundled demo model: a small LLaVA (CLIP tower + Llama decoder, transformers classes, a byte-level
 BPE tokenizer trained with `tokenizers`) on the synthetic questions of worker/demo/shapes.py, on CPU.
 
-    python -m worker.demo.train OUT_DIR [--minutes 25] [--seed 0]
+    python -m worker.demo.train OUT_DIR [--steps 1800] [--minutes 28] [--seed 0]
 
-Reproducible from the seed on a given machine (the data stream, the initial weights and the order are all
-seeded); bf16 autocast is used where the CPU has AMX (`lscpu`: amx_tile), fp32 elsewhere. Prints the loss
+Reproducible from the seed on a given machine: the data stream, the initial weights, the order and the
+learning-rate schedule (over --steps) are all seeded or fixed; --minutes only stops a slow machine early.
+bf16 autocast is used where the CPU has AMX (`lscpu`: amx_tile), fp32 elsewhere. Prints the loss
 and, every --eval-every steps, exact-match accuracy by question kind on held-out samples (another seed) with
 greedy HF `generate`. Saves the checkpoint with the best held-out accuracy in HF format.
 """
@@ -92,7 +93,7 @@ def evaluate(loaded: LoadedModel, held_out: list[Sample], batch_size: int = 64) 
     return scores
 
 
-def train(out_dir: Path, minutes: float, seed: int, batch_size: int, lr: float, eval_every: int,
+def train(out_dir: Path, steps: int, minutes: float, seed: int, batch_size: int, lr: float, eval_every: int,
           n_eval: int) -> dict[str, float]:
     torch.manual_seed(seed)
     random.seed(seed)
@@ -105,15 +106,14 @@ def train(out_dir: Path, minutes: float, seed: int, batch_size: int, lr: float, 
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=has_amx())
     deadline = time.monotonic() + minutes * 60
-    # The schedule assumes ~steps_hint steps; past them the rate stays at its floor until the deadline.
-    steps_hint, warmup = max(1000, int(minutes * 60 * 4)), 200
+    warmup = min(200, steps // 10)
     best: dict[str, float] = {"all": -1.0}
     step, losses = 0, []
     started = time.monotonic()
-    while time.monotonic() < deadline:
+    while step < steps and time.monotonic() < deadline:
         for group in optimizer.param_groups:
-            progress = min(1.0, step / steps_hint)
-            group["lr"] = lr * min(1.0, (step + 1) / warmup) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
+            cosine = 0.5 * (1 + math.cos(math.pi * step / steps))
+            group["lr"] = lr * min(1.0, (step + 1) / max(1, warmup)) * (0.05 + 0.95 * cosine)
         batch = batch_inputs(loaded, [sample(stream) for _ in range(batch_size)])
         with autocast:
             loss = model(**batch).loss
@@ -126,7 +126,7 @@ def train(out_dir: Path, minutes: float, seed: int, batch_size: int, lr: float, 
         if step % 50 == 0:
             print(f"step {step} loss {sum(losses[-50:]) / 50:.4f} lr {optimizer.param_groups[0]['lr']:.2e} "
                   f"{(time.monotonic() - started) / step:.2f}s/step", flush=True)
-        if step % eval_every == 0 or time.monotonic() >= deadline:
+        if step % eval_every == 0 or step == steps or time.monotonic() >= deadline:
             scores = evaluate(loaded, held_out)
             print(f"step {step} held-out exact match " + ", ".join(f"{k} {v:.3f}" for k, v in scores.items()),
                   flush=True)
@@ -140,7 +140,8 @@ def train(out_dir: Path, minutes: float, seed: int, batch_size: int, lr: float, 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dir", type=Path)
-    parser.add_argument("--minutes", type=float, default=25.0)
+    parser.add_argument("--steps", type=int, default=1800)
+    parser.add_argument("--minutes", type=float, default=28.0, help="stop early past this (slow machines)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--lr", type=float, default=2e-3)
@@ -148,7 +149,8 @@ def main() -> None:
     parser.add_argument("--eval-samples", type=int, default=500)
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    train(args.out_dir, args.minutes, args.seed, args.batch_size, args.lr, args.eval_every, args.eval_samples)
+    train(args.out_dir, args.steps, args.minutes, args.seed, args.batch_size, args.lr, args.eval_every,
+          args.eval_samples)
 
 
 if __name__ == "__main__":
