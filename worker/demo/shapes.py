@@ -92,24 +92,25 @@ def scene(rng: random.Random) -> list[Item]:
     return [Item(s, c, cx, cy, r) for (s, c), (cx, cy, r) in zip(pairs, _place(rng, n), strict=True)]
 
 
+def _unique_by(items: list[Item], attribute: str) -> list[Item]:
+    """The items that alone have their value of `attribute` (so naming that value names them)."""
+    return [i for i in items if sum(getattr(j, attribute) == getattr(i, attribute) for j in items) == 1]
+
+
 def ask(rng: random.Random, items: list[Item], kind: str) -> tuple[str, str] | None:
     """A question of `kind` about `items` with its one right answer, or None when the scene cannot pose it."""
     if kind == "count":
         return "How many shapes are there?", NUMBERS[len(items)]
-    if kind == "colour":
-        unique = [i for i in items if sum(j.shape == i.shape for j in items) == 1]
+    if kind in ("colour", "shape"):
+        unique = _unique_by(items, "shape" if kind == "colour" else "colour")
         if not unique:
             return None
         item = rng.choice(unique)
-        return f"What colour is the {item.shape}?", item.colour
-    if kind == "shape":
-        unique = [i for i in items if sum(j.colour == i.colour for j in items) == 1]
-        if not unique:
-            return None
-        item = rng.choice(unique)
+        if kind == "colour":
+            return f"What colour is the {item.shape}?", item.colour
         return f"What shape is the {item.colour} one?", item.shape
     if kind == "position":
-        unique = [i for i in items if sum(j.shape == i.shape for j in items) == 1]
+        unique = _unique_by(items, "shape")
         if len(unique) < 2:
             return None
         a, b = rng.sample(unique, 2)
