@@ -78,13 +78,9 @@ def top_up(db: Database, tenant: str, model: str, window: int, send: Send, *, mi
         return len(ids)
 
 
-def top_up_after_job(db: Database, job_id: str, window: int, send: Send) -> int:
-    """After a job ended: refill its tenant's window for its model, if enough of it is free."""
-    with db.session() as session:
-        row = session.execute(select(Job.tenant, Job.model).where(Job.id == job_id)).first()
-    if row is None:
-        return 0
-    return top_up(db, row.tenant, row.model, window, send, min_room=refill_threshold(window))
+def top_up_after_job(db: Database, tenant: str, model: str, window: int, send: Send) -> int:
+    """After one of the tenant's jobs of `model` ended: refill the window, if enough of it is free."""
+    return top_up(db, tenant, model, window, send, min_room=refill_threshold(window))
 
 
 def waiting_pairs(session: Session) -> list[tuple[str, str]]:

@@ -49,7 +49,8 @@ _infra_retry = retry(
 class Outcome:
     status: str  # the job's status after this attempt, or "skipped" for a duplicate delivery
     retry: bool = False
-    # Of the job that ran (None when skipped): what the after-job bookkeeping needs, without a query.
+    # Of the job that ran (set on every outcome but "skipped"): what the after-job bookkeeping needs, without
+    # a query.
     tenant: str | None = None
     model: str | None = None
     batch_id: str | None = None

@@ -172,14 +172,12 @@ def _after_job(app: Celery, db: Database, settings: Settings, job_id: str, outco
     ends elsewhere (reaped to `dead`) is caught by the sweep task. Several last jobs ending together may
     each send it; finalization is idempotent."""
     try:
-        if outcome.tenant is not None and outcome.model is not None:
-            dispatch.top_up(db, outcome.tenant, outcome.model, settings.dispatch_window,
-                            model_sender(app, settings), min_room=dispatch.refill_threshold(settings.dispatch_window))
-        else:
-            dispatch.top_up_after_job(db, job_id, settings.dispatch_window, model_sender(app, settings))
+        assert outcome.tenant is not None and outcome.model is not None  # a job that ran carries them
+        dispatch.top_up_after_job(db, outcome.tenant, outcome.model, settings.dispatch_window,
+                                  model_sender(app, settings))
     except Exception:
         log.exception("dispatch top-up after job %s failed", job_id)  # the sweep tops up later
-    if outcome.tenant is not None and outcome.batch_id is None:
+    if outcome.batch_id is None:
         return  # a single job: no batch to finalize
     try:
         with db.session() as session:

@@ -67,7 +67,7 @@ def run_one(db: Database, broker: Broker, window: int) -> str | None:
         return run_one(db, broker, window)  # a duplicate message
     with db.session() as session:
         assert jobs.finish(session, job_id, "w", RESULT)
-    dispatch.top_up_after_job(db, job_id, window, broker.send)
+    dispatch.top_up_after_job(db, claimed.tenant, claimed.model, window, broker.send)
     return job_id
 
 
