@@ -162,6 +162,9 @@ def run(
         f"{summary.completion_tokens / summary.elapsed_s if summary.elapsed_s else 0:.1f} generated tokens/s "
         f"-> {output}"
     )
+    if summary.accuracy is not None:
+        console.print(f"[bold]accuracy[/bold]: {summary.correct}/{summary.expected} answers match the file's "
+                      f"expected answers (metadata.answer): {summary.accuracy:.1%}")
 
 
 @app.command()

@@ -14,6 +14,9 @@ from typing import Literal
 from pydantic import Field, IPvAnyNetwork, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+# The bundled demo model (worker/demo/model): what a worker serves when no other model is named.
+DEMO_MODEL = "vlmq-demo"
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="VLMQ_", env_file=".env", extra="ignore")
@@ -39,7 +42,8 @@ class Settings(BaseSettings):
     presign_expiry_seconds: int = Field(default=3600, ge=1, le=7 * 24 * 3600)
 
     # The model a worker serves; API accepts jobs for `model_name`.
-    model: str = Field(default="", description="HF model id or local path the worker loads.")
+    model: str = Field(default=DEMO_MODEL, description="HF model id or local path the worker loads; "
+                       f"{DEMO_MODEL!r} is the bundled demo model.")
     served_model_name: str = Field(default="", description="Name clients use; default: model's folder name.")
     device: str = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"

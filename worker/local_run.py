@@ -55,6 +55,13 @@ class RunSummary:
     line_errors: list[LineError] = field(default_factory=list)
     elapsed_s: float = 0.0
     completion_tokens: int = 0
+    # Jobs whose input line carried an expected answer (metadata.answer), and how many were answered so.
+    expected: int = 0
+    correct: int = 0
+
+    @property
+    def accuracy(self) -> float | None:
+        return self.correct / self.expected if self.expected else None
 
 
 def _store_file(db: Database, store: ObjectStore, path: Path, purpose: str = "batch") -> str:
@@ -100,8 +107,24 @@ def run_file(input_path: Path, output_path: Path, settings: Settings, console: C
             ingest_batch(summary.batch_id, IngestDeps(settings, db, store, dispatch, any_model=True))
         _wait(db, app, settings, summary, console)
         summary.elapsed_s = time.monotonic() - started
-    _write_output(db, store, summary, output_path)
+    _write_output(db, store, summary, output_path, _expected_answers(input_path))
     return summary
+
+
+def _expected_answers(path: Path) -> dict[str, str]:
+    """custom_id -> the answer a line expects, from lines that carry one (`"metadata": {"answer": ...}` beside
+    the request, as examples/shapes.jsonl does); lines that do not, or are not JSON, are skipped."""
+    expected: dict[str, str] = {}
+    with path.open(encoding="utf-8", errors="replace") as f:
+        for raw in f:
+            try:
+                line = json.loads(raw)
+            except ValueError:
+                continue
+            metadata = line.get("metadata") if isinstance(line, dict) else None
+            if isinstance(metadata, dict) and isinstance(metadata.get("answer"), str):
+                expected[str(line.get("custom_id"))] = metadata["answer"]
+    return expected
 
 
 def _wait(db: Database, app: Any, settings: Settings, summary: RunSummary, console: Console) -> None:
@@ -131,7 +154,8 @@ def _wait(db: Database, app: Any, settings: Settings, summary: RunSummary, conso
             time.sleep(0.2)
 
 
-def _write_output(db: Database, store: ObjectStore, summary: RunSummary, path: Path) -> None:
+def _write_output(db: Database, store: ObjectStore, summary: RunSummary, path: Path,
+                  expected: dict[str, str]) -> None:
     """Every input line's outcome in input order: a merge of the jobs and the refused lines by line number."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".partial")
@@ -145,12 +169,27 @@ def _write_output(db: Database, store: ObjectStore, summary: RunSummary, path: P
             while pending is not None and pending.line < (job.line or 0):
                 pending = _write_refused(out, summary, pending, refused)
             line = job_line(job, _result_body(store, job))
+            answer = None
             if line["response"] is not None and line["error"] is None:
                 summary.completion_tokens += line["response"]["body"]["usage"]["completion_tokens"]
+                answer = line["response"]["body"]["choices"][0]["message"]["content"]
+            _score(summary, expected.get(job.custom_id or ""), answer)
             out.write(json.dumps(line, ensure_ascii=False) + "\n")
         while pending is not None:
             pending = _write_refused(out, summary, pending, refused)
     tmp.replace(path)
+
+
+def _normal(text: str) -> str:
+    return " ".join(text.lower().split()).rstrip(".!")
+
+
+def _score(summary: RunSummary, expected: str | None, answer: str | None) -> None:
+    """Exact match up to case, spacing and a final full stop; a job that gave no answer counts as wrong."""
+    if expected is None:
+        return
+    summary.expected += 1
+    summary.correct += answer is not None and _normal(answer) == _normal(expected)
 
 
 def _write_refused(out: Any, summary: RunSummary, err: BatchLineError, rest: Any) -> BatchLineError | None:

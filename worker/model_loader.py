@@ -98,9 +98,19 @@ def _eos_token_ids(model: Any, tokenizer: Any) -> list[int]:
     return ids
 
 
+def model_location(path_or_id: str) -> str:
+    """Where to load `path_or_id` from: the bundled demo model's folder for its name, else as given."""
+    from common.settings import DEMO_MODEL
+    from worker.demo import DEMO_MODEL_DIR
+
+    return str(DEMO_MODEL_DIR) if path_or_id == DEMO_MODEL else path_or_id
+
+
 def load_model(path_or_id: str, device: str = "cpu", dtype: torch.dtype = torch.float32) -> LoadedModel:
     from transformers import AutoModelForImageTextToText
 
+    name = path_or_id
+    path_or_id = model_location(path_or_id)
     processor = load_processor(path_or_id)
     tokenizer = processor.tokenizer
     model = AutoModelForImageTextToText.from_pretrained(path_or_id, dtype=dtype)
@@ -112,6 +122,6 @@ def load_model(path_or_id: str, device: str = "cpu", dtype: torch.dtype = torch.
         tokenizer=tokenizer,
         image_token_id=_image_token_id(model, processor, tokenizer),
         eos_token_ids=_eos_token_ids(model, tokenizer),
-        # A local dir is named by its folder; a hub id ("org/model") is already a name.
-        name=Path(path_or_id).name if Path(path_or_id).is_dir() else str(path_or_id),
+        # A local dir is named by its folder; a hub id ("org/model") or the demo model's name is already a name.
+        name=Path(name).name if Path(name).is_dir() else name,
     )

@@ -92,6 +92,9 @@ class TinySpec:
     # batch shape). A wider init separates the top-1 logit while keeping outputs varied across prompts.
     text_init_range: float = 0.2
     vision_init_range: float = 0.2
+    # The image processor's normalisation; None: the tower's usual (CLIP's or SigLIP's) mean and std.
+    image_mean: tuple[float, float, float] | None = None
+    image_std: tuple[float, float, float] | None = None
 
 
 def _corpus(rng: random.Random, n_lines: int = 3000) -> list[str]:
@@ -111,8 +114,10 @@ def _build_tokenizer(
     seed: int,
     mm_tokens: dict[str, str] | None = None,
     chat_template: str = CHAT_TEMPLATE,
+    corpus: list[str] | None = None,
 ):
-    """Byte-level BPE trained on a seeded corpus; `mm_tokens` maps tokenizer attribute names to special tokens."""
+    """Byte-level BPE trained on `corpus` (default: a seeded corpus of common words); `mm_tokens` maps tokenizer
+    attribute names to special tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -127,7 +132,7 @@ def _build_tokenizer(
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus(random.Random(seed)), trainer=trainer)
+    tok.train_from_iterator(corpus or _corpus(random.Random(seed)), trainer=trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=BOS,
@@ -172,12 +177,14 @@ def _image_only_processor(base: type, **kwargs):
     return image_only_processor_class(base, name=base.__name__)(**kwargs)
 
 
-def build_tiny_llava(out_dir: Path, *, seed: int = 0, vision: str = "clip", spec: TinySpec | None = None) -> Path:
+def build_tiny_llava(out_dir: Path, *, seed: int = 0, vision: str = "clip", spec: TinySpec | None = None,
+                     corpus: list[str] | None = None) -> Path:
     """Write a tiny random LLaVA (model, tokenizer, image processor, processor) to `out_dir`; return it.
 
     Deterministic given `seed`: the same seed gives byte-identical weights and the same tokenizer.
     `vision` picks the tower: "clip" (a CLS token, dropped by the "default" feature selection, as in
     LLaVA-1.5) or "siglip" (no CLS, "full" selection), so both placeholder-count conventions can be exercised.
+    `corpus` is the text the tokenizer's BPE merges are learnt from (a trained model's own vocabulary).
     """
     from transformers import (
         CLIPImageProcessorPil,
@@ -196,7 +203,7 @@ def build_tiny_llava(out_dir: Path, *, seed: int = 0, vision: str = "clip", spec
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    tokenizer = _build_tokenizer(spec, seed)
+    tokenizer = _build_tokenizer(spec, seed, corpus=corpus)
     image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
     n_patches = (spec.image_size // spec.patch_size) ** 2
 
@@ -208,6 +215,8 @@ def build_tiny_llava(out_dir: Path, *, seed: int = 0, vision: str = "clip", spec
         "image_size": spec.image_size,
         "patch_size": spec.patch_size,
     }
+    normalisation = {name: list(value) for name, value in (("image_mean", spec.image_mean),
+                                                           ("image_std", spec.image_std)) if value is not None}
     if vision == "clip":
         vision_config = CLIPVisionConfig(
             **tower, projection_dim=spec.vision_hidden, initializer_range=spec.vision_init_range
@@ -216,11 +225,13 @@ def build_tiny_llava(out_dir: Path, *, seed: int = 0, vision: str = "clip", spec
         image_processor = CLIPImageProcessorPil(
             size={"shortest_edge": spec.image_size},
             crop_size={"height": spec.image_size, "width": spec.image_size},
+            **normalisation,
         )
     else:
         vision_config = SiglipVisionConfig(**tower)
         select_strategy, extra_tokens = "full", 0
-        image_processor = SiglipImageProcessorPil(size={"height": spec.image_size, "width": spec.image_size})
+        image_processor = SiglipImageProcessorPil(size={"height": spec.image_size, "width": spec.image_size},
+                                                  **normalisation)
     text_config = LlamaConfig(**_text_config_kwargs(spec, tokenizer))
     config = LlavaConfig(
         vision_config=vision_config,

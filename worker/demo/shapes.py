@@ -1,10 +1,15 @@
 """Synthetic visual questions for the bundled demo model: images of 1-4 coloured shapes, and short,
 deterministic answers about them.
 
-Kinds of question: the colour of a shape, the shape of a colour, how many shapes, whether one shape is left or
-right of another, and a one-word description of the whole image's largest shape. Every sample comes from a
-seeded random.Random, so a seed gives the same image and question everywhere. Images are small (64 px): the
-demo model's vision tower sees 8x8 patches of 8 px.
+Kinds of question: the colour of a shape, the shape of a colour, how many shapes, whether a shape is in the left
+or the right half, and the colour and shape of the biggest one. Every sample comes from a seeded random.Random,
+so a seed gives the same image and question everywhere.
+
+An image is 96 px, a 4 x 4 grid of 24 px cells; each shape sits at the centre of one cell, at a random size. The
+demo model's vision tower sees the image in 24 px patches, one per cell: a shape is then always whole inside one
+patch, at one place in it, which is what lets a model this small, trained from scratch on two CPU cores in half
+an hour, learn to tell the shapes apart (with shapes anywhere in their cell, it told them apart 60% of the time
+after 500 steps, while it read colours 99.8% right).
 """
 
 from __future__ import annotations
@@ -26,7 +31,11 @@ COLOURS: dict[str, tuple[int, int, int]] = {
 SHAPES = ("circle", "square", "triangle", "star")
 NUMBERS = ("zero", "one", "two", "three", "four")
 KINDS = ("colour", "shape", "count", "position", "largest")
-IMAGE_SIZE = 64
+GRID = 4
+CELL = 24
+IMAGE_SIZE = GRID * CELL
+MIN_RADIUS, MAX_RADIUS = 5, 10
+LARGEST_MARGIN = 3  # the biggest shape is at least this much wider (radius, px) than the next, or nobody asks
 
 
 @dataclass(frozen=True)
@@ -37,6 +46,15 @@ class Item:
     cy: int
     radius: int
 
+    @property
+    def column(self) -> int:
+        return self.cx // CELL
+
+    @property
+    def cell(self) -> int:
+        """The grid cell (row-major, as the vision tower orders its patches) the shape sits in."""
+        return (self.cy // CELL) * GRID + self.cx // CELL
+
 
 @dataclass(frozen=True)
 class Sample:
@@ -44,6 +62,7 @@ class Sample:
     question: str
     answer: str
     kind: str
+    items: tuple[Item, ...] = ()  # the scene drawn, for training signals beyond the answer
 
 
 def _points(item: Item) -> list[tuple[float, float]]:
@@ -71,25 +90,18 @@ def draw(items: list[Item], background: tuple[int, int, int] = (255, 255, 255)) 
     return image
 
 
-def _place(rng: random.Random, n: int) -> list[tuple[int, int, int]]:
-    """n non-overlapping circles (cx, cy, r) inside the image, with distinct x so left/right is clear."""
-    for _ in range(1000):
-        spots: list[tuple[int, int, int]] = []
-        for _ in range(n):
-            r = rng.randint(6, 11)
-            cx, cy = rng.randint(r + 1, IMAGE_SIZE - r - 2), rng.randint(r + 1, IMAGE_SIZE - r - 2)
-            if all(math.hypot(cx - x, cy - y) > r + q + 2 and abs(cx - x) > 4 for x, y, q in spots):
-                spots.append((cx, cy, r))
-        if len(spots) == n:
-            return spots
-    raise RuntimeError("could not place the shapes")
+def _place(rng: random.Random, cell: int) -> tuple[int, int, int]:
+    """The centre of grid cell `cell` and a random radius."""
+    row, column = divmod(cell, GRID)
+    return column * CELL + CELL // 2, row * CELL + CELL // 2, rng.randint(MIN_RADIUS, MAX_RADIUS)
 
 
 def scene(rng: random.Random) -> list[Item]:
-    """1-4 shapes; no two share both shape and colour, so every question names one object."""
+    """1-4 shapes in distinct cells; no two share both shape and colour, so every question names one object."""
     n = rng.randint(1, 4)
     pairs = rng.sample([(s, c) for s in SHAPES for c in COLOURS], n)
-    return [Item(s, c, cx, cy, r) for (s, c), (cx, cy, r) in zip(pairs, _place(rng, n), strict=True)]
+    cells = rng.sample(range(GRID * GRID), n)
+    return [Item(s, c, *_place(rng, cell)) for (s, c), cell in zip(pairs, cells, strict=True)]
 
 
 def _unique_by(items: list[Item], attribute: str) -> list[Item]:
@@ -111,13 +123,13 @@ def ask(rng: random.Random, items: list[Item], kind: str) -> tuple[str, str] | N
         return f"What shape is the {item.colour} one?", item.shape
     if kind == "position":
         unique = _unique_by(items, "shape")
-        if len(unique) < 2:
+        if not unique:
             return None
-        a, b = rng.sample(unique, 2)
-        return f"Is the {a.shape} left or right of the {b.shape}?", "left" if a.cx < b.cx else "right"
+        item = rng.choice(unique)
+        return f"Is the {item.shape} on the left or the right?", "left" if item.column < GRID // 2 else "right"
     if kind == "largest":
         ordered = sorted(items, key=lambda i: i.radius, reverse=True)
-        if len(ordered) > 1 and ordered[0].radius - ordered[1].radius < 3:
+        if len(ordered) > 1 and ordered[0].radius - ordered[1].radius < LARGEST_MARGIN:
             return None  # too close to call by eye
         return "Describe the biggest shape.", f"{ordered[0].colour} {ordered[0].shape}"
     raise ValueError(kind)
@@ -130,10 +142,19 @@ def sample(rng: random.Random, kind: str | None = None) -> Sample:
         chosen = kind or rng.choice(KINDS)
         qa = ask(rng, items, chosen)
         if qa is not None:
-            return Sample(draw(items), qa[0], qa[1], chosen)
+            return Sample(draw(items), qa[0], qa[1], chosen, tuple(items))
 
 
 def samples(n: int, seed: int) -> list[Sample]:
     """`n` samples, kinds in turn, reproducible from `seed`."""
     rng = random.Random(seed)
     return [sample(rng, KINDS[i % len(KINDS)]) for i in range(n)]
+
+
+def corpus() -> list[str]:
+    """Every question template and answer word, for training the demo tokenizer."""
+    lines = ["How many shapes are there?", "Describe the biggest shape."]
+    lines += [f"What colour is the {s}?" for s in SHAPES] + [f"What shape is the {c} one?" for c in COLOURS]
+    lines += [f"Is the {s} on the left or the right?" for s in SHAPES]
+    lines += [f"{c} {s}" for c in COLOURS for s in SHAPES] + list(NUMBERS) + ["left", "right"]
+    return lines

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from worker.demo.shapes import COLOURS, KINDS, NUMBERS, SHAPES, ask, draw, samples, scene
+from worker.demo.shapes import CELL, COLOURS, GRID, IMAGE_SIZE, KINDS, NUMBERS, SHAPES, ask, draw, samples, scene
 
 
 def test_the_same_seed_gives_the_same_samples() -> None:
@@ -28,6 +28,12 @@ def test_answers_are_true_of_the_drawn_scene() -> None:
         assert len({(i.shape, i.colour) for i in items}) == len(items)
         for item in items:  # each shape is drawn in its colour at its centre
             assert image.getpixel((item.cx, item.cy)) == COLOURS[item.colour]
+        # one shape per cell of the grid, whole inside it: the vision tower sees each cell as one patch
+        assert len({i.cell for i in items}) == len(items)
+        for item in items:
+            row, column = divmod(item.cell, GRID)
+            assert column * CELL < item.cx - item.radius and item.cx + item.radius < (column + 1) * CELL
+            assert row * CELL < item.cy - item.radius and item.cy + item.radius < (row + 1) * CELL
         assert ask(rng, items, "count") == ("How many shapes are there?", NUMBERS[len(items)])
         colour = ask(rng, items, "colour")
         if colour is not None:
@@ -35,9 +41,9 @@ def test_answers_are_true_of_the_drawn_scene() -> None:
             assert [i.colour for i in items if i.shape == shape] == [colour[1]]
         position = ask(rng, items, "position")
         if position is not None:
-            a, b = position[0].removeprefix("Is the ").removesuffix("?").split(" left or right of the ")
-            xa, xb = (next(i.cx for i in items if i.shape == s) for s in (a, b))
-            assert position[1] == ("left" if xa < xb else "right")
+            shape = position[0].removeprefix("Is the ").removesuffix(" on the left or the right?")
+            [x] = [i.cx for i in items if i.shape == shape]
+            assert position[1] == ("left" if x < IMAGE_SIZE / 2 else "right")
         largest = ask(rng, items, "largest")
         if largest is not None:
             colour_name, shape_name = largest[1].split()
