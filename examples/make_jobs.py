@@ -15,9 +15,10 @@ import io
 import json
 from pathlib import Path
 
+from common.settings import DEMO_MODEL
 from worker.demo.shapes import Sample, samples
 
-DEMO_MODEL = "vlmq-demo"
+EXAMPLE_SEED = 2026
 
 
 def batch_line(index: int, sample: Sample) -> dict:
@@ -41,7 +42,7 @@ def batch_line(index: int, sample: Sample) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=200)
-    parser.add_argument("--seed", type=int, default=2026)
+    parser.add_argument("--seed", type=int, default=EXAMPLE_SEED)
     parser.add_argument("-o", "--output", type=Path, default=Path(__file__).with_name("shapes.jsonl"))
     args = parser.parse_args()
     with args.output.open("w", encoding="utf-8") as out:

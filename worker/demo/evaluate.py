@@ -10,22 +10,14 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections import Counter
 
 from common.settings import DEMO_MODEL
-from worker.demo.shapes import KINDS, Sample, samples
-from worker.demo.train import HELD_OUT_SEED, N_HELD_OUT, answer, messages
+from worker.demo.shapes import Sample, samples
+from worker.demo.train import HELD_OUT_SEED, MAX_ANSWER_TOKENS, N_HELD_OUT, exact_match, hf_answers, messages
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.generation import GenerationRequest, SamplingParams
 from worker.model_loader import LoadedModel, load_model
-
-MAX_ANSWER_TOKENS = 6
-
-
-def hf_answers(loaded: LoadedModel, batch: list[Sample], batch_size: int = 64) -> list[str]:
-    return [a for i in range(0, len(batch), batch_size)
-            for a in answer(loaded, batch[i:i + batch_size], MAX_ANSWER_TOKENS)]
 
 
 def engine_answers(loaded: LoadedModel, batch: list[Sample]) -> list[str]:
@@ -37,12 +29,6 @@ def engine_answers(loaded: LoadedModel, batch: list[Sample]) -> list[str]:
     return [r.text.strip() for r in results]
 
 
-def exact_match(batch: list[Sample], got: list[str]) -> dict[str, float]:
-    right = Counter(s.kind for s, a in zip(batch, got, strict=True) if a == s.answer)
-    total = Counter(s.kind for s in batch)
-    return {**{k: right[k] / total[k] for k in KINDS if total[k]}, "all": sum(right.values()) / len(batch)}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=DEMO_MODEL)
@@ -50,18 +36,15 @@ def main() -> None:
     args = parser.parse_args()
     loaded = load_model(args.model)
     held_out = samples(args.n, HELD_OUT_SEED)
+    answers = {}
     for name, run in (("HF generate", hf_answers), ("vlmq engine", engine_answers)):
         started = time.perf_counter()
-        got = run(loaded, held_out)
+        answers[name] = got = run(loaded, held_out)
         seconds = time.perf_counter() - started
         print(f"{name}: " + ", ".join(f"{k} {v:.3f}" for k, v in exact_match(held_out, got).items())
               + f" ({len(held_out) / seconds:.0f} questions/s)")
-        if name == "HF generate":
-            reference = got
-        else:
-            print(f"engine answers equal to HF generate's: {sum(a == b for a, b in zip(got, reference, strict=True))}"
-                  f"/{len(held_out)}")
-
+    same = sum(a == b for a, b in zip(answers["HF generate"], answers["vlmq engine"], strict=True))
+    print(f"engine answers equal to HF generate's: {same}/{len(held_out)}")
 
 if __name__ == "__main__":
     main()

@@ -23,6 +23,7 @@ import math
 import random
 import subprocess
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,7 @@ DEMO_SPEC = TinySpec(image_size=IMAGE_SIZE, patch_size=CELL, vision_hidden=128, 
 HELD_OUT_SEED = 1_000_003  # the held-out set: never trained on, never used to pick a checkpoint
 VALIDATION_SEED = 2_000_003  # picks the checkpoint to keep
 N_HELD_OUT = 1000
+MAX_ANSWER_TOKENS = 6  # the longest answer is two words and EOS
 # Per cell: colour, shape and size (each with "empty"), then its row and column.
 CELL_CLASSES = (len(COLOURS) + 1, len(SHAPES) + 1, MAX_RADIUS - MIN_RADIUS + 2, GRID, GRID)
 
@@ -189,7 +191,7 @@ def forward_loss(loaded: LoadedModel, probe: CellProbe, batch: dict[str, torch.T
 
 
 @torch.inference_mode()
-def answer(loaded: LoadedModel, batch: list[Sample], max_new_tokens: int = 6) -> list[str]:
+def answer(loaded: LoadedModel, batch: list[Sample], max_new_tokens: int = MAX_ANSWER_TOKENS) -> list[str]:
     processor, tokenizer = loaded.processor, loaded.tokenizer
     prompts = [processor.apply_chat_template(messages(s.question), add_generation_prompt=True, tokenize=False)
                for s in batch]
@@ -201,16 +203,21 @@ def answer(loaded: LoadedModel, batch: list[Sample], max_new_tokens: int = 6) ->
     return [tokenizer.decode(row[width:], skip_special_tokens=True).strip() for row in out]
 
 
-def evaluate(loaded: LoadedModel, held_out: list[Sample], batch_size: int = 64) -> dict[str, float]:
+def hf_answers(loaded: LoadedModel, batch: list[Sample], batch_size: int = 64) -> list[str]:
+    return [a for i in range(0, len(batch), batch_size) for a in answer(loaded, batch[i:i + batch_size])]
+
+
+def exact_match(batch: list[Sample], got: list[str]) -> dict[str, float]:
+    """Exact match by kind of question, and over all of them."""
+    right = Counter(s.kind for s, a in zip(batch, got, strict=True) if a == s.answer)
+    total = Counter(s.kind for s in batch)
+    return {**{k: right[k] / total[k] for k in KINDS if total[k]}, "all": sum(right.values()) / len(batch)}
+
+
+def evaluate(loaded: LoadedModel, held_out: list[Sample]) -> dict[str, float]:
     loaded.model.eval()
-    right: dict[str, list[bool]] = {k: [] for k in KINDS}
-    for i in range(0, len(held_out), batch_size):
-        chunk = held_out[i:i + batch_size]
-        for s, got in zip(chunk, answer(loaded, chunk), strict=True):
-            right[s.kind].append(got == s.answer)
+    scores = exact_match(held_out, hf_answers(loaded, held_out))
     loaded.model.train()
-    scores = {k: sum(v) / len(v) for k, v in right.items() if v}
-    scores["all"] = sum(sum(v) for v in right.values()) / len(held_out)
     return scores
 
 

@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 
 from common.settings import DEMO_MODEL
-from examples.make_jobs import batch_line
+from examples.make_jobs import EXAMPLE_SEED, batch_line
 from worker.demo import DEMO_MODEL_DIR
-from worker.demo.evaluate import engine_answers, exact_match, hf_answers
+from worker.demo.evaluate import engine_answers
 from worker.demo.shapes import KINDS, Sample, samples
-from worker.demo.train import HELD_OUT_SEED, N_HELD_OUT
+from worker.demo.train import HELD_OUT_SEED, N_HELD_OUT, exact_match, hf_answers
 from worker.model_loader import LoadedModel, load_model
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -64,7 +64,7 @@ def test_the_engine_gives_the_same_answers(held_out: list[Sample], reference: li
 
 def test_the_example_file_is_what_make_jobs_writes() -> None:
     lines = EXAMPLE.read_text().splitlines()
-    assert lines == [json.dumps(batch_line(i, s)) for i, s in enumerate(samples(len(lines), 2026))]
+    assert lines == [json.dumps(batch_line(i, s)) for i, s in enumerate(samples(len(lines), EXAMPLE_SEED))]
 
 
 def test_vlmq_run_with_the_default_model_scores_the_example(demo: LoadedModel, tmp_path: Path) -> None:
@@ -75,7 +75,7 @@ def test_vlmq_run_with_the_default_model_scores_the_example(demo: LoadedModel, t
                           env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [json.loads(line) for line in out.read_text().splitlines()]
-    example = samples(len(lines), 2026)
+    example = samples(len(lines), EXAMPLE_SEED)
     got = [line["response"]["body"]["choices"][0]["message"]["content"] for line in lines]
     assert got == hf_answers(demo, example)
     assert all(line["response"]["body"]["model"] == DEMO_MODEL for line in lines)
