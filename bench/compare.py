@@ -22,6 +22,7 @@ import io
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -97,32 +98,78 @@ def _data_url(image: Image.Image) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-def run_service(path: Path, jobs: list[GenerationRequest], threads: int, work: Path, s3_endpoint: str) -> Run:
-    from tests.fault_stack import FaultStack, wait_for
+def run_service(path: Path, jobs: list[GenerationRequest], threads: int, work: Path, s3_endpoint: str,
+                s3_pid: int, connections: int = 8, profile: Path | None = None) -> Run:
+    """Timed from the first POST to the last job seen succeeded in SQL; the jobs are posted over
+    `connections` keep-alive connections at once, as a client with many jobs would. Prints the CPU each
+    part of the stack spent per job in that time. With `profile`, py-spy samples the API and the worker
+    meanwhile, in whichever thread holds the GIL (collapsed stacks, `<profile>.<part>.txt`)."""
+    from concurrent.futures import ThreadPoolExecutor
 
-    stack = FaultStack(work, s3_endpoint, path, device="cpu", dtype="float32", kv_num_blocks=8192,
-                       max_num_seqs=256, max_num_batched_tokens=4096, sweep_interval_seconds=5).start()
+    from service_stack import ServiceStack
+    from sqlalchemy import create_engine, text
+
+    stack = ServiceStack(work, s3_endpoint, path, device="cpu", dtype="float32", kv_num_blocks=8192,
+                         max_num_seqs=256, max_num_batched_tokens=4096, sweep_interval_seconds=5)
     try:
-        worker = stack.worker(concurrency=256, OMP_NUM_THREADS=str(threads))
-        stack.wait_worker_ready(worker)
+        stack.start(worker_concurrency=256, worker_threads=threads)
         bodies = []
         for job in jobs:
             content = [({"type": "image_url", "image_url": {"url": _data_url(job.images[0])}}
                         if p["type"] == "image" else p) for p in job.messages[0]["content"]]
             bodies.append({"messages": [{"role": "user", "content": content}],
                            "max_tokens": job.sampling.max_tokens})
-        with stack.api.client() as client:
+        clients = [stack.client() for _ in range(connections)]
+        sql = create_engine(stack.postgres.url)
+        count = text("SELECT count(*) FROM jobs WHERE status = 'succeeded'")
+
+        def post(i: int) -> str:
+            response = clients[i % connections].post("/v1/jobs", json=bodies[i])
+            assert response.status_code == 202, response.text
+            return str(response.json()["id"])
+
+        with sql.connect() as conn, ThreadPoolExecutor(connections) as pool:
+            conn.execute(count)
+            spy = str(Path(sys.executable).parent / "py-spy")
+            spies = [subprocess.Popen([spy, "record", "--format", "raw", "--gil", "--nonblocking", "-r", "250",
+                                       "-o", f"{profile}.{part}.txt", "-p", str(stack.processes[part].pid)],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                     for part in (("api", "worker") if profile else ())]
+            time.sleep(1.0 if spies else 0)
+            cpu_before, client_before = stack.cpu_seconds(s3_pid), os.times()
             start = time.perf_counter()
-            ids = []
-            for body in bodies:
-                response = client.post("/v1/jobs", json=body)
-                assert response.status_code == 202, response.text
-                ids.append(response.json()["id"])
-            wait_for(lambda: stack.count(ids, "succeeded") == len(ids), 1800, "service jobs", interval=0.02)
+            ids = list(pool.map(post, range(len(bodies))))
+            while conn.execute(count).scalar_one() < len(ids):
+                conn.commit()
+                time.sleep(0.02)
             seconds = time.perf_counter() - start
-            texts = {job.request_id: client.get(f"/v1/jobs/{job_id}").json()["result"]["text"]
-                     for job, job_id in zip(jobs, ids, strict=True)}
+            cpu_after, client_after = stack.cpu_seconds(s3_pid), os.times()
+            spans = conn.execute(text(
+                "SELECT extract(epoch FROM max(created_at) - min(created_at)),"
+                " extract(epoch FROM min(started_at) - min(created_at)),"
+                " extract(epoch FROM max(started_at) - min(created_at)),"
+                " extract(epoch FROM min(finished_at) - min(created_at)),"
+                " extract(epoch FROM max(finished_at) - min(created_at)) FROM jobs")).one()
+            for spy in spies:
+                spy.send_signal(signal.SIGINT)
+                spy.wait(30)
+        sql.dispose()
+        spent = {name: cpu_after[name] - cpu_before[name] for name in cpu_before}
+        spent["client"] = (client_after.user + client_after.system) - (client_before.user + client_before.system)
+        print("  service CPU per job (ms): " + ", ".join(f"{name} {1000 * s / len(jobs):.1f}"
+                                                          for name, s in spent.items())
+              + f"; total {sum(spent.values()):.2f}s of CPU in {seconds:.2f}s wall")
+        print("  service timeline (s after the first job was written): last written {:.2f}, claimed {:.2f}-{:.2f},"
+              " finished {:.2f}-{:.2f}".format(*(float(x) for x in spans)))
+        texts = {job.request_id: clients[0].get(f"/v1/jobs/{job_id}").json()["result"]["text"]
+                 for job, job_id in zip(jobs, ids, strict=True)}
+        for c in clients:
+            c.close()
         return Run("service", seconds, texts)  # type: ignore[arg-type]
+    except Exception:
+        for name in stack.processes:
+            print(f"--- {name} log tail ---\n{stack.log(name)[-2000:]}")
+        raise
     finally:
         stack.close()
 
@@ -230,8 +277,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--plot", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--profile", type=Path, default=None, help="py-spy the service's API and worker: prefix")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     keep_freed_memory()
     systems = args.systems.split(",")
     peak = gemm_peak_gflops()
@@ -265,7 +314,8 @@ def main() -> None:
                             runs.append(run_hf(loaded, jobs, system == "hfb"))
                         elif system == "service":
                             runs.append(run_service(path, jobs, args.threads, work / f"svc-{name}-{kind}",
-                                                    f"http://127.0.0.1:{port}"))
+                                                    f"http://127.0.0.1:{port}", moto.pid,
+                                                    profile=args.profile and Path(f"{args.profile}-{name}-{kind}")))  # type: ignore[union-attr]
                         elif system == "vllm":
                             run = run_vllm(path, loaded, jobs, args.threads, work / f"vllm-{name}-{kind}")
                             if run is not None:
