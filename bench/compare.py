@@ -79,9 +79,10 @@ def make_jobs(n: int, with_image: bool, max_tokens: int, seed: int = 0, prefix: 
 def run_engine(path: Path, jobs: list[GenerationRequest]) -> tuple[Run, list[int], list[int]]:
     engine = new_engine(path)  # model load and KV allocation are start-up, not throughput
     engine.generate(make_jobs(4, bool(jobs[0].images), 4, seed=99, prefix="warm"))
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     results = engine.generate(jobs)
     seconds = time.perf_counter() - start
+    print(f"  engine alone: {1000 * (time.process_time() - cpu_start) / len(jobs):.1f} ms of CPU per job")
     return (Run("engine", seconds, {r.request_id: r.token_ids for r in results}),
             [r.prompt_tokens for r in results], [len(r.token_ids) for r in results])
 
@@ -128,8 +129,10 @@ def run_service(path: Path, jobs: list[GenerationRequest], threads: int, work: P
             assert response.status_code == 202, response.text
             return str(response.json()["id"])
 
+        commits = text("SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = current_database()")
         with sql.connect() as conn, ThreadPoolExecutor(connections) as pool:
             conn.execute(count)
+            transactions_before = conn.execute(commits).scalar_one()
             spy = str(Path(sys.executable).parent / "py-spy")
             spies = [subprocess.Popen([spy, "record", "--format", "raw", "--gil", "--nonblocking", "-r", "250",
                                        "-o", f"{profile}.{part}.txt", "-p", str(stack.processes[part].pid)],
@@ -153,12 +156,16 @@ def run_service(path: Path, jobs: list[GenerationRequest], threads: int, work: P
             for spy in spies:
                 spy.send_signal(signal.SIGINT)
                 spy.wait(30)
+            conn.commit()
+            time.sleep(1.5)  # backends flush their statistics to pg_stat_database at most once a second
+            transactions = conn.execute(commits).scalar_one() - transactions_before
         sql.dispose()
         spent = {name: cpu_after[name] - cpu_before[name] for name in cpu_before}
         spent["client"] = (client_after.user + client_after.system) - (client_before.user + client_before.system)
         print("  service CPU per job (ms): " + ", ".join(f"{name} {1000 * s / len(jobs):.1f}"
                                                           for name, s in spent.items())
-              + f"; total {sum(spent.values()):.2f}s of CPU in {seconds:.2f}s wall")
+              + f"; total {sum(spent.values()):.2f}s of CPU in {seconds:.2f}s wall; "
+              + f"{transactions / len(jobs):.1f} Postgres transactions per job")
         print("  service timeline (s after the first job was written): last written {:.2f}, claimed {:.2f}-{:.2f},"
               " finished {:.2f}-{:.2f}".format(*(float(x) for x in spans)))
         texts = {job.request_id: clients[0].get(f"/v1/jobs/{job_id}").json()["result"]["text"]

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import and_, or_, select, update
+from sqlalchemy import Integer, String, Text, and_, column, or_, select, update, values
 from sqlalchemy.orm import Session
 
 from common.models import DEFAULT_TENANT, Job, JobStatus, new_id, utcnow
@@ -105,6 +105,27 @@ def claim(session: Session, job_id: str, worker_id: str, lease_seconds: float, *
     return session.scalars(stmt).one_or_none()
 
 
+def claim_many(session: Session, job_ids: list[str], worker_id: str, lease_seconds: float) -> dict[str, Job]:
+    """`claim(..., unless_last_try=True)` of several jobs in one statement: those this worker took, by id."""
+    if not job_ids:
+        return {}
+    now = utcnow()
+    stmt = (
+        update(Job)
+        .where(Job.id.in_(job_ids), _claimable(now), ~_is_last_try())
+        .values(
+            status=JobStatus.RUNNING,
+            lease_owner=worker_id,
+            lease_until=now + timedelta(seconds=lease_seconds),
+            attempts=Job.attempts + 1,
+            started_at=now,
+        )
+        .returning(Job)
+        .execution_options(synchronize_session=False, populate_existing=True)
+    )
+    return {job.id: job for job in session.scalars(stmt)}
+
+
 def is_claimable_last_try(session: Session, job_id: str) -> bool:
     """Whether the job could be claimed now, for its last attempt (of several)."""
     stmt = select(Job.id).where(Job.id == job_id, _claimable(utcnow()), _is_last_try())
@@ -158,6 +179,40 @@ def finish(session: Session, job_id: str, worker_id: str, result: JobResult) -> 
         .execution_options(synchronize_session=False)
     )
     return session.execute(stmt).rowcount == 1
+
+
+def finish_many(session: Session, worker_id: str, results: dict[str, JobResult]) -> set[str]:
+    """`finish` of several jobs: the ids it marked succeeded; the others this worker no longer held. On Postgres
+    one statement (an UPDATE joined to a VALUES list of the results); SQLite cannot name a VALUES list's
+    columns, so there it is one UPDATE per job (in the caller's one transaction all the same)."""
+    if not results:
+        return set()
+    if session.get_bind().dialect.name != "postgresql":
+        return {job_id for job_id, result in results.items() if finish(session, job_id, worker_id, result)}
+    rows = values(
+        column("id", String), column("result_key", String), column("text", Text), column("finish_reason", String),
+        column("prompt_tokens", Integer), column("completion_tokens", Integer), name="results",
+    ).data([(job_id, r.result_key, r.text, r.finish_reason, r.prompt_tokens, r.completion_tokens)
+            for job_id, r in results.items()])
+    stmt = (
+        update(Job)
+        .where(Job.id == rows.c.id, Job.lease_owner == worker_id, Job.status == JobStatus.RUNNING)
+        .values(
+            status=JobStatus.SUCCEEDED,
+            finished_at=utcnow(),
+            lease_until=None,
+            result_key=rows.c.result_key,
+            result_text=rows.c.text,
+            finish_reason=rows.c.finish_reason,
+            prompt_tokens=rows.c.prompt_tokens,
+            completion_tokens=rows.c.completion_tokens,
+            error_code=None,
+            error_message=None,
+        )
+        .returning(Job.id)
+        .execution_options(synchronize_session=False)
+    )
+    return set(session.scalars(stmt))
 
 
 def fail(session: Session, job_id: str, worker_id: str, code: str, message: str) -> bool:

@@ -32,6 +32,7 @@ from worker.batcher import Generator
 from worker.generation import GenerationRequest, InputError, SamplingParams
 from worker.leases import LeaseKeeper
 from worker.solo_gate import SoloGate
+from worker.state_writer import StateWriter
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,8 @@ class JobPipeline:
         self.leases = leases
         self.worker_id = worker_id
         self.gate = SoloGate()
+        # Claims and finishes of the jobs in flight, grouped into shared transactions.
+        self.writer = StateWriter(db, worker_id, settings.lease_seconds)
         # Storing a finished result outlasts an outage of S3 or SQL; the heartbeat keeps the lease meanwhile.
         self._result_retry = Retrying(stop=stop_after_delay(settings.persist_retry_seconds),
                                       wait=wait_exponential(multiplier=0.2, max=5), reraise=True)
@@ -82,7 +85,7 @@ class JobPipeline:
         # is claimed only once through the gate, so that a job waiting there behind a solo run that crashes
         # the process has not spent its last attempt on it.
         with self.gate.shared():
-            job = self._claim(job_id, unless_last_try=True)
+            job = self._claim_shared(job_id)
             if job is not None:
                 return self._run_leased(job)
         if not self._claimable_last_try(job_id):
@@ -107,10 +110,13 @@ class JobPipeline:
             return jobs.is_claimable_last_try(session, job_id)
 
     @_infra_retry
-    def _claim(self, job_id: str, unless_last_try: bool = False) -> Job | None:
+    def _claim_shared(self, job_id: str) -> Job | None:
+        return self.writer.claim(job_id)
+
+    @_infra_retry
+    def _claim(self, job_id: str) -> Job | None:
         with self.db.session() as session:
-            return jobs.claim(session, job_id, self.worker_id, self.settings.lease_seconds,
-                              unless_last_try=unless_last_try)
+            return jobs.claim(session, job_id, self.worker_id, self.settings.lease_seconds)
 
     def _run_claimed(self, job: Job) -> Outcome:
         try:
@@ -172,8 +178,10 @@ class JobPipeline:
         self.store.put(key, json.dumps(body).encode(), content_type="application/json")
 
     def _finish(self, job_id: str, result: jobs.JobResult) -> bool:
-        with self.db.session() as session:
-            return jobs.finish(session, job_id, self.worker_id, result)
+        return self.writer.finish(job_id, result)
+
+    def close(self) -> None:
+        self.writer.close()
 
     @_infra_retry
     def _fail(self, job: Job, code: str, message: str) -> Outcome:

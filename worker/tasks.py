@@ -15,6 +15,7 @@ from datetime import timedelta
 from celery import Celery, Task
 
 from common import batches, dispatch, jobs
+from common.coalesce import Coalescer
 from common.db import Database, get_database
 from common.queue import (
     TASK_CANCEL_BATCH,
@@ -45,6 +46,9 @@ class BatchContext:
 
 
 _batch_contexts: dict[int, BatchContext] = {}
+# Follow-ups of jobs ending together (dispatch top-ups per tenant and model, finalize checks per batch) run
+# once for all of them, not once per job.
+_after_job_work = Coalescer()
 _batch_lock = threading.Lock()
 
 
@@ -169,21 +173,26 @@ def _after_job(app: Celery, db: Database, settings: Settings, job_id: str, outco
 
     Checked here, right after each job ends, rather than only by a periodic sweep: a batch completes as
     soon as its last job does, and the check is one indexed query (none for a job of no batch). A job that
-    ends elsewhere (reaped to `dead`) is caught by the sweep task. Several last jobs ending together may
-    each send it; finalization is idempotent."""
+    ends elsewhere (reaped to `dead`) is caught by the sweep task. Jobs ending together share one run of
+    each (common/coalesce.py). Finalization is idempotent, should two checks both see the batch done."""
+    assert outcome.tenant is not None and outcome.model is not None  # a job that ran carries them
+    tenant, model = outcome.tenant, outcome.model
     try:
-        assert outcome.tenant is not None and outcome.model is not None  # a job that ran carries them
-        dispatch.top_up_after_job(db, outcome.tenant, outcome.model, settings.dispatch_window,
-                                  model_sender(app, settings))
+        _after_job_work.run(("top_up", id(db), tenant, model), lambda: dispatch.top_up_after_job(
+            db, tenant, model, settings.dispatch_window, model_sender(app, settings)))
     except Exception:
         log.exception("dispatch top-up after job %s failed", job_id)  # the sweep tops up later
     if outcome.batch_id is None:
         return  # a single job: no batch to finalize
-    try:
+
+    def finalize_if_done() -> None:
         with db.session() as session:
             batch_id = batches.ready_after_job(session, job_id)
         if batch_id is not None:
             send_finalize_batch(app, settings, batch_id)
+
+    try:
+        _after_job_work.run(("finalize", id(db), outcome.batch_id), finalize_if_done)
     except Exception:
         # The job's own outcome is already persisted; the sweep finalizes the batch later.
         log.exception("finalize check after job %s failed", job_id)

@@ -149,3 +149,43 @@ def test_reap_requeues_expired_and_kills_exhausted(db: Database) -> None:
     assert _get(db, again).status == JobStatus.QUEUED
     assert _get(db, exhausted).status == JobStatus.DEAD
     assert _get(db, alive).status == JobStatus.RUNNING
+
+
+def test_claim_many_takes_only_what_claim_would(db: Database) -> None:
+    fresh, taken, last_try = _new_job(db), _new_job(db), _new_job(db, max_attempts=2)
+    with db.session() as s:
+        assert jobs.claim(s, taken, "other", 60) is not None
+        s.execute(update(Job).where(Job.id == last_try).values(attempts=1))
+    with db.session() as s:
+        claimed = jobs.claim_many(s, [fresh, taken, last_try, "job_missing"], "w1", 60)
+    assert set(claimed) == {fresh}  # held by another worker; would start its last try; does not exist
+    job = claimed[fresh]
+    assert job.status == JobStatus.RUNNING and job.lease_owner == "w1" and job.attempts == 1
+    assert _get(db, taken).lease_owner == "other" and _get(db, last_try).status == JobStatus.QUEUED
+    with db.session() as s:
+        assert jobs.claim_many(s, [], "w1", 60) == {}
+
+
+def test_finish_many_writes_each_result_and_refuses_jobs_not_held(db: Database) -> None:
+    mine = [_new_job(db) for _ in range(3)]
+    theirs, cancelled = _new_job(db), _new_job(db)
+    with db.session() as s:
+        jobs.claim_many(s, [*mine, cancelled], "w1", 60)
+        jobs.claim(s, theirs, "w2", 60)
+        jobs.cancel(s, cancelled)
+    results = {job_id: jobs.JobResult(f"results/{job_id}.json", f"text of {job_id} \u00e9\u4e2d", "length", 10 + i,
+                                      100_000 + i)
+               for i, job_id in enumerate([*mine, theirs, cancelled])}
+    with db.session() as s:
+        finished = jobs.finish_many(s, "w1", results)
+    assert finished == set(mine)
+    for job_id in mine:
+        job, want = _get(db, job_id), results[job_id]
+        assert job.status == JobStatus.SUCCEEDED
+        assert (job.result_key, job.result_text, job.finish_reason, job.prompt_tokens, job.completion_tokens) == (
+            want.result_key, want.text, want.finish_reason, want.prompt_tokens, want.completion_tokens)
+        assert job.lease_until is None and job.finished_at is not None
+    assert _get(db, theirs).status == JobStatus.RUNNING and _get(db, theirs).result_text is None
+    assert _get(db, cancelled).status == JobStatus.CANCELLED
+    with db.session() as s:
+        assert jobs.finish_many(s, "w1", {}) == set()

@@ -1,0 +1,112 @@
+"""worker/state_writer.py on SQLite and Postgres: claims and finishes asked for together share one
+transaction, each caller gets its own answer, and one bad row fails only its own caller."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from common import jobs
+from common.db import Database
+from common.models import Job, JobStatus
+from tests.common.conftest import db  # noqa: F401  (the fixture: a migrated database of each kind)
+from tests.common.test_jobs import _get, _new_job
+from worker.state_writer import StateWriter
+
+
+@pytest.fixture
+def writer(db: Database) -> Iterator[StateWriter]:  # noqa: F811
+    w = StateWriter(db, "w1", lease_seconds=60)
+    yield w
+    w.close()
+
+
+def _hold_first_group(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
+    """Make the writer's first transaction wait, so that what is asked meanwhile piles up into the next."""
+    entered, release = threading.Event(), threading.Event()
+    real = jobs.claim_many
+
+    def claim_many(*args: object, **kwargs: object) -> object:
+        if not entered.is_set():
+            entered.set()
+            release.wait(10)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(jobs, "claim_many", claim_many)
+    return entered, release
+
+
+def test_concurrent_claims_and_finishes_share_a_transaction(db: Database, writer: StateWriter,  # noqa: F811
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    ids = [_new_job(db) for _ in range(20)]
+    to_finish = ids[:10]
+    with db.session() as s:
+        jobs.claim_many(s, to_finish, "w1", 60)
+    entered, release = _hold_first_group(monkeypatch)
+    with ThreadPoolExecutor(24) as pool:
+        blocker = pool.submit(writer.claim, ids[10])
+        assert entered.wait(10)
+        claims = {job_id: pool.submit(writer.claim, job_id) for job_id in ids[11:]}
+        duplicate = pool.submit(writer.claim, ids[11])  # a second delivery of the same job in the same group
+        finishes = {job_id: pool.submit(writer.finish, job_id, jobs.JobResult(f"r/{job_id}", job_id, "stop", 1, 2))
+                    for job_id in to_finish}
+        while writer._queue.qsize() < len(claims) + 1 + len(finishes):
+            threading.Event().wait(0.01)
+        release.set()
+        assert blocker.result(10) is not None
+        claimed = {job_id: f.result(10) for job_id, f in claims.items()}
+        finished = {job_id: f.result(10) for job_id, f in finishes.items()}
+        second = duplicate.result(10)
+    assert writer.num_transactions == 2  # the held one, then everything that piled up behind it
+    assert all(isinstance(job, Job) and job.id == job_id and job.lease_owner == "w1"
+               for job_id, job in claimed.items())
+    assert second is None  # the claim went to one of the two deliveries only
+    assert all(finished.values())
+    for job_id in to_finish:
+        job = _get(db, job_id)
+        assert job.status == JobStatus.SUCCEEDED and job.result_text == job_id
+    for job_id in ids[10:]:
+        assert _get(db, job_id).status == JobStatus.RUNNING
+
+
+def test_one_bad_row_fails_only_its_caller(db: Database, writer: StateWriter,  # noqa: F811
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    ids = [_new_job(db) for _ in range(6)]
+    with db.session() as s:
+        jobs.claim_many(s, ids[:5], "w1", 60)
+    entered, release = _hold_first_group(monkeypatch)
+    bad = jobs.JobResult("r/bad", object(), "stop", 1, 2)  # type: ignore[arg-type]  # no database binds it
+    with ThreadPoolExecutor(8) as pool:
+        blocker = pool.submit(writer.claim, ids[5])
+        assert entered.wait(10)
+        good = {job_id: pool.submit(writer.finish, job_id, jobs.JobResult("r/ok", "ok", "stop", 1, 2))
+                for job_id in ids[:4]}
+        failing = pool.submit(writer.finish, ids[4], bad)
+        while writer._queue.qsize() < 5:
+            threading.Event().wait(0.01)
+        release.set()
+        blocker.result(10)
+        assert all(f.result(10) for f in good.values())
+        with pytest.raises(Exception):  # noqa: B017  (the driver's own error type differs per database)
+            failing.result(10)
+    assert [_get(db, job_id).status for job_id in ids[:5]] == [JobStatus.SUCCEEDED] * 4 + [JobStatus.RUNNING]
+    assert writer.claim(_new_job(db)) is not None  # the writer carries on
+
+
+def test_a_finish_for_a_job_no_longer_held_is_refused(db: Database, writer: StateWriter) -> None:  # noqa: F811
+    job_id = _new_job(db)
+    assert writer.claim(job_id) is not None
+    with db.session() as s:
+        jobs.cancel(s, job_id)
+    assert writer.finish(job_id, jobs.JobResult("r/x", "x", "stop", 1, 1)) is False
+    assert _get(db, job_id).status == JobStatus.CANCELLED
+
+
+def test_closed_writer_refuses(db: Database) -> None:  # noqa: F811
+    w = StateWriter(db, "w1", lease_seconds=60)
+    w.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        w.claim("job_x")

@@ -1,0 +1,128 @@
+"""Group commit for a worker's claims and finishes: those asked for while one transaction is being written go
+into the next one, as one UPDATE for the claims and one for the finishes (common.jobs.claim_many /
+finish_many).
+
+A worker holds hundreds of jobs in flight and the engine ends many of them in the same step; per job, a claim
+and a finish each cost a session, a connection checkout, a statement and a commit, all of it Python under the
+GIL that the engine's thread is waiting for (bench/compare.py --profile: a quarter of the worker's samples on
+tiny models). As in api/job_writer.py there is no timer: a lone request is written at once, and groups grow
+with the load. If a group's transaction fails, its requests are written one by one, so one bad row (say, text
+Postgres refuses) fails only its own job and the others' callers never see the error.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from common import jobs
+from common.db import Database
+from common.models import Job
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Request:
+    job_id: str
+    result: jobs.JobResult | None  # None: a claim
+    answer: Future[Any] = field(default_factory=Future)
+
+
+class StateWriter:
+    def __init__(self, db: Database, worker_id: str, lease_seconds: float, max_group: int = 512) -> None:
+        self.db = db
+        self.worker_id = worker_id
+        self.lease_seconds = lease_seconds
+        self.max_group = max_group
+        self.num_transactions = 0  # group transactions written (tests and metrics read it)
+        self._queue: queue.SimpleQueue[_Request | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="vlmq-state-writer", daemon=True)
+        self._thread.start()
+
+    def claim(self, job_id: str) -> Job | None:
+        """common.jobs.claim(..., unless_last_try=True) of this one job, grouped with other threads' claims."""
+        return self._ask(_Request(job_id, None))  # type: ignore[no-any-return]
+
+    def finish(self, job_id: str, result: jobs.JobResult) -> bool:
+        """common.jobs.finish of this one job, grouped with other threads' finishes."""
+        return bool(self._ask(_Request(job_id, result)))
+
+    def close(self, timeout: float = 10.0) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    def _ask(self, request: _Request) -> Any:
+        if not self._thread.is_alive():
+            raise RuntimeError("state writer is closed")
+        self._queue.put(request)
+        return request.answer.result()
+
+    def _run(self) -> None:
+        while True:
+            first = self._queue.get()
+            if first is None:
+                return
+            group = [first]
+            while len(group) < self.max_group:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    self._queue.put(None)  # stop after this group
+                    break
+                group.append(item)
+            try:
+                self._write(group)
+            except Exception:  # never let one group stop the writer: every later request would hang
+                log.exception("state writer: a group of %d failed", len(group))
+                for request in group:
+                    if not request.answer.done():
+                        request.answer.set_exception(RuntimeError("state writer failed"))
+
+    def _write(self, group: list[_Request]) -> None:
+        claims = [r for r in group if r.result is None]
+        finishes = {r.job_id: r.result for r in group if r.result is not None}
+        try:
+            with self.db.session() as session:
+                claimed = jobs.claim_many(session, sorted({r.job_id for r in claims}), self.worker_id,
+                                          self.lease_seconds)
+                finished = jobs.finish_many(session, self.worker_id, finishes)  # type: ignore[arg-type]
+            self.num_transactions += 1
+        except Exception:
+            if len(group) == 1:
+                _answer(group[0], self._write_one)
+                return
+            log.warning("state writer: a group of %d failed; writing them one by one", len(group), exc_info=True)
+            for request in group:
+                _answer(request, self._write_one)
+            return
+        # Two deliveries of the same job in one group: the claim went to one of them only.
+        taken: set[str] = set()
+        for request in claims:
+            job = claimed.get(request.job_id) if request.job_id not in taken else None
+            taken.add(request.job_id)
+            request.answer.set_result(job)
+        for request in group:
+            if request.result is not None:
+                request.answer.set_result(request.job_id in finished)
+
+    def _write_one(self, request: _Request) -> Any:
+        with self.db.session() as session:
+            self.num_transactions += 1
+            if request.result is None:
+                return jobs.claim(session, request.job_id, self.worker_id, self.lease_seconds, unless_last_try=True)
+            return jobs.finish(session, request.job_id, self.worker_id, request.result)
+
+
+def _answer(request: _Request, write: Any) -> None:
+    """Run `write(request)` and hand its result, or its error, to the request's caller."""
+    try:
+        request.answer.set_result(write(request))
+    except Exception as exc:
+        request.answer.set_exception(exc)
