@@ -5,9 +5,11 @@ greedy, fp32, the same max_tokens.
     # vLLM CPU joins when its venv exists: bash bench/peers/setup.sh (default /work/peers-venv)
 
 Systems: (hf1) HF `generate` one job at a time, (hfb) HF padded batched `generate` in batches of 32,
-(engine) the vlmq engine alone, (service) vlmq as a user meets it: POST /v1/jobs over HTTP -> Postgres ->
-Redis -> `vlmq worker` -> S3 + SQL, polled until every job succeeded (its own redis-server, Postgres
-cluster and S3 server, tests/fault_stack.py), (vllm) vLLM's offline `LLM.generate` (bench/peers).
+(engine) the vlmq engine alone, (engine_torch) the same without its CPU fast paths (C++ decode attention,
+oneDNN-packed linears), (service) vlmq as a user meets it: POST /v1/jobs over HTTP -> Postgres -> Redis ->
+`vlmq worker` -> S3 + SQL, polled until every job succeeded (bench/service_stack.py: each service its own
+process, with its own redis-server, Postgres cluster and the S3 server), (vllm) vLLM's offline
+`LLM.generate` (bench/peers).
 Workloads: each model with one image per job, and the same prompts text-only, so the image tax shows: the
 extra wall time of the image jobs over the text jobs, against a batched vision forward of the same images
 alone. The machine: the fp32 GEMM peak measured in this run, the FLOPs each workload needs (vision, prefill,
@@ -76,14 +78,15 @@ def make_jobs(n: int, with_image: bool, max_tokens: int, seed: int = 0, prefix: 
     return jobs
 
 
-def run_engine(path: Path, jobs: list[GenerationRequest]) -> tuple[Run, list[int], list[int]]:
-    engine = new_engine(path)  # model load and KV allocation are start-up, not throughput
+def run_engine(path: Path, jobs: list[GenerationRequest], cpu_paths: bool = True
+               ) -> tuple[Run, list[int], list[int]]:
+    engine = new_engine(path, cpu_paths)  # model load and KV allocation are start-up, not throughput
     engine.generate(make_jobs(4, bool(jobs[0].images), 4, seed=99, prefix="warm"))
     start, cpu_start = time.perf_counter(), time.process_time()
     results = engine.generate(jobs)
     seconds = time.perf_counter() - start
     print(f"  engine alone: {1000 * (time.process_time() - cpu_start) / len(jobs):.1f} ms of CPU per job")
-    return (Run("engine", seconds, {r.request_id: r.token_ids for r in results}),
+    return (Run("engine" if cpu_paths else "engine_torch", seconds, {r.request_id: r.token_ids for r in results}),
             [r.prompt_tokens for r in results], [len(r.token_ids) for r in results])
 
 
@@ -280,7 +283,7 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--models", default="tiny,small")
-    parser.add_argument("--systems", default="hf1,hfb,engine,service,vllm")
+    parser.add_argument("--systems", default="hf1,hfb,engine_torch,engine,service,vllm")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--plot", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None)
@@ -317,6 +320,8 @@ def main() -> None:
                     for system in systems:
                         if system == "engine":
                             runs.append(engine_run)
+                        elif system == "engine_torch":
+                            runs.append(run_engine(path, jobs, cpu_paths=False)[0])
                         elif system in ("hf1", "hfb"):
                             runs.append(run_hf(loaded, jobs, system == "hfb"))
                         elif system == "service":

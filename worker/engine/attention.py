@@ -5,13 +5,14 @@ module projects and RoPE-rotates q/k/v as usual, then calls `paged_attention`, w
 values into the block pool and attends each request to its own cached context. Metadata (block tables, slots,
 masks) is built once per step and shared by every layer.
 
-CPU backend: torch SDPA. Decodes (one query each) are gathered into one padded batch and attended in one call;
-prefill chunks are attended one request at a time. A GPU backend can replace `_attend` behind the same
-function and metadata.
+CPU backend: decodes (one query each) are attended straight from the pool by a C++ kernel
+(worker/engine/cpu_kernels.py) when it is built; otherwise they are gathered into one padded batch and attended
+in one torch SDPA call. Prefill chunks are attended one request at a time with SDPA.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,7 @@ class DecodeBatch:
     query_index: torch.Tensor  # [B] positions in the packed batch of the decode tokens
     blocks: torch.Tensor       # [B, max_blocks] block tables, padded with block 0
     mask: torch.Tensor         # [B, 1, 1, max_blocks * block_size] bool, True where a key is real
+    seq_lens: torch.Tensor     # [B] keys per sequence (context + this token)
 
 
 @dataclass
@@ -44,6 +46,8 @@ class AttentionMetadata:
     prefills: list[PrefillSeq]
     decodes: DecodeBatch | None
     num_tokens: int
+    # (q [B, heads, dim], k pool, v pool, block tables, seq lens, scale) -> [B, heads, dim]; None: gather + SDPA
+    decode_kernel: Callable[..., torch.Tensor] | None = None
 
 
 def build_metadata(
@@ -51,6 +55,7 @@ def build_metadata(
     block_size: int,
     seqs: list[tuple[list[int], int, int]],
     device: torch.device,
+    decode_kernel: Callable[..., torch.Tensor] | None = None,
 ) -> AttentionMetadata:
     """seqs: per request in packed order (block_ids, context_len, query_len). Built once per step, vectorised:
     Python work here is per request, never per token."""
@@ -86,8 +91,8 @@ def build_metadata(
         dec_width = int(num_blocks[decode_rows].max())
         keys = torch.arange(dec_width * block_size).unsqueeze(0) < total[decode_rows].unsqueeze(1)
         decodes = DecodeBatch(query_start[decode_rows].to(device), table[decode_rows, :dec_width].to(device),
-                              keys[:, None, None, :].to(device))
-    return AttentionMetadata(kv_caches, slot_mapping.to(device), prefills, decodes, num_tokens)
+                              keys[:, None, None, :].to(device), total[decode_rows].to(device))
+    return AttentionMetadata(kv_caches, slot_mapping.to(device), prefills, decodes, num_tokens, decode_kernel)
 
 
 def paged_attention(
@@ -120,7 +125,12 @@ def paged_attention(
         o = F.scaled_dot_product_attention(q_seq, k_seq, v_seq, attn_mask=seq.mask, is_causal=seq.mask is None,
                                            scale=scaling, enable_gqa=gqa)
         out[seq.query_start : seq.query_start + seq.query_len] = o.transpose(0, 1)
-    if meta.decodes is not None:
+    if meta.decodes is not None and meta.decode_kernel is not None:
+        d = meta.decodes
+        q_dec = q[:, d.query_index].transpose(0, 1)  # [B, heads, dim]
+        scale = scaling if scaling is not None else dim**-0.5
+        out[d.query_index] = meta.decode_kernel(q_dec, k_cache, v_cache, d.blocks, d.seq_lens, scale).to(out.dtype)
+    elif meta.decodes is not None:
         d = meta.decodes
         batch = d.blocks.shape[0]
         q_dec = q[:, d.query_index].transpose(0, 1).unsqueeze(2)  # [B, heads, 1, dim]

@@ -16,6 +16,8 @@ class EngineConfig:
     encoder_cache_tokens: int = 32768    # image embeddings kept, counted in LM positions
     enable_prefix_caching: bool = True
     overlap_vision: bool | None = None   # vision on its own CUDA stream; None: on when the device is CUDA
+    cpu_attention_kernel: bool = True    # on CPU, decode attention by the C++ kernel where it builds
+    cpu_packed_linear: bool = True       # on CPU (fp32), linear layers with oneDNN pre-packed weights
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:

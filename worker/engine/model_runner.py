@@ -80,6 +80,10 @@ class ModelRunner:
         self.family: ModelFamily = get_family(self.model)
         self.encoder_cache = encoder_cache
         self._switch_text_attention()
+        if self.device.type == "cpu" and config.cpu_packed_linear:
+            from worker.engine.cpu_linear import pack_linears
+
+            pack_linears(self.model)
         self.language_model = self.family.language_model(self.model)
         self.lm_head = self.family.lm_head(self.model)
         self.embed_tokens = self.family.embed_tokens(self.model)
@@ -91,6 +95,11 @@ class ModelRunner:
             for _ in range(layers)
         ]
         self.sampler = Sampler(self.device)
+        self.decode_kernel = None
+        if self.device.type == "cpu" and config.cpu_attention_kernel:
+            from worker.engine import cpu_kernels
+
+            self.decode_kernel = cpu_kernels.paged_decode_attention()
         self.inputs: dict[str, PreparedInput] = {}
         # Vision on its own CUDA stream, overlapping the forward of requests that do not wait for it. Off on CPU,
         # where there is nothing to overlap with; `overlap_vision=True` there still exercises the split path.
@@ -178,7 +187,7 @@ class ModelRunner:
                 first = offset + image.offset - s.start
                 embeds[first : first + image.num_tokens] = rows.to(embeds.dtype)
             offset += s.num_tokens
-        meta = build_metadata(self.kv_caches, self.config.block_size, seqs, self.device)
+        meta = build_metadata(self.kv_caches, self.config.block_size, seqs, self.device, self.decode_kernel)
         position_ids = self.family.packed_position_ids(positions)
         hidden = self.language_model(
             inputs_embeds=embeds.unsqueeze(0), position_ids=position_ids.to(self.device), attention_mask=None,

@@ -1,0 +1,103 @@
+"""The CPU backend's C++ decode attention against the gather + SDPA path it replaces, and the engine with it
+on and off; PackedLinear against F.linear."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tests.worker.engine.test_engine import make_requests
+from worker.engine import cpu_kernels
+from worker.engine.config import EngineConfig
+from worker.engine.cpu_linear import PackedLinear, pack_linears
+from worker.engine.engine import Engine
+from worker.model_loader import load_model
+
+
+def _gather_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+                 lens: torch.Tensor, scale: float) -> torch.Tensor:
+    batch, kv_heads, dim = tables.shape[0], k_cache.shape[2], k_cache.shape[3]
+    k = k_cache.index_select(0, tables.flatten()).view(batch, -1, kv_heads, dim).transpose(1, 2).float()
+    v = v_cache.index_select(0, tables.flatten()).view(batch, -1, kv_heads, dim).transpose(1, 2).float()
+    mask = (torch.arange(k.shape[2]).unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale,
+                                         enable_gqa=q.shape[1] != kv_heads)
+    return out[:, :, 0]
+
+
+@pytest.fixture(scope="module")
+def kernel() -> cpu_kernels.PagedDecodeAttention:
+    built = cpu_kernels.paged_decode_attention()
+    assert built is not None, "the kernel must build here (g++ and ninja are installed by the project)"
+    return built
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "block_size"), [(8, 8, 64, 16), (8, 2, 32, 16),
+                                                                       (4, 1, 24, 4), (6, 3, 16, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_kernel_matches_gather_and_sdpa(kernel: cpu_kernels.PagedDecodeAttention, heads: int,
+                                               kv_heads: int, dim: int, block_size: int, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(heads * 100 + dim)
+    batch, width, pool = 9, 7, 80
+    k_cache = torch.randn(pool, block_size, kv_heads, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(pool, block_size, kv_heads, dim, generator=gen).to(dtype)
+    tables = torch.randperm(pool, generator=gen)[: batch * width].view(batch, width)
+    # Lengths from a single key to every slot of every block, and across block boundaries.
+    lens = torch.tensor([1, 2, block_size, block_size + 1, width * block_size, 3 * block_size - 1, 5, 17, 30])
+    lens = lens.clamp(1, width * block_size)
+    q = torch.randn(batch, heads, dim, generator=gen)
+    scale = dim**-0.5
+    got = kernel(q, k_cache, v_cache, tables, lens, scale)
+    want = _gather_sdpa(q, k_cache, v_cache, tables, lens, scale)
+    assert got.shape == (batch, heads, dim) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_kernel_refuses_bad_shapes(kernel: cpu_kernels.PagedDecodeAttention) -> None:
+    cache = torch.zeros(4, 16, 3, 8)
+    with pytest.raises(RuntimeError, match="multiple of kv heads"):
+        kernel(torch.zeros(1, 4, 8), cache, cache, torch.zeros(1, 1, dtype=torch.long), torch.ones(1), 1.0)
+
+
+def test_kernel_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLMQ_CPU_KERNELS", "0")
+    assert cpu_kernels.paged_decode_attention() is None
+
+
+def test_engine_tokens_equal_with_and_without_the_cpu_paths(tiny_llava_path: object) -> None:
+    """Same greedy tokens with the C++ decode attention and packed linears as with gather + SDPA and F.linear
+    (the HF-identity tests in test_engine.py run with them on)."""
+    requests = make_requests(24, seed=5)
+    results = {}
+    for fast in (True, False):
+        config = EngineConfig(num_kv_blocks=256, max_num_seqs=8, cpu_attention_kernel=fast, cpu_packed_linear=fast)
+        engine = Engine(load_model(str(tiny_llava_path)), config)
+        assert (engine.runner.decode_kernel is not None) is fast
+        assert any(isinstance(m, PackedLinear) for m in engine.runner.model.modules()) is fast
+        results[fast] = {r.request_id: r.token_ids for r in engine.generate(requests)}
+    assert results[True] == results[False]
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_packed_linear_matches_linear(bias: bool) -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(48, 80, bias=bias)
+    packed = PackedLinear(linear)
+    for shape in [(1, 48), (37, 48), (2, 5, 48), (1, 130, 48)]:
+        x = torch.randn(*shape)
+        torch.testing.assert_close(packed(x), linear(x), atol=1e-5, rtol=1e-5)
+    assert packed.weight is linear.weight and (packed.bias is linear.bias)
+
+
+def test_pack_linears_keeps_parameters_and_skips_what_it_cannot_pack() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Sequential(nn.Linear(8, 4)))
+    before = {name: p for name, p in model.named_parameters()}
+    x = torch.randn(3, 8)
+    want = model(x)
+    assert pack_linears(model) == 2
+    assert isinstance(model[0], PackedLinear) and isinstance(model[2][0], PackedLinear)  # type: ignore[index]
+    assert {name: p for name, p in model.named_parameters()} == before
+    torch.testing.assert_close(model(x), want, atol=1e-5, rtol=1e-5)
+    assert pack_linears(nn.Sequential(nn.Linear(4, 4)).to(torch.bfloat16)) == 0  # fp32 only

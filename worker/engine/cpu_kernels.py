@@ -1,0 +1,74 @@
+"""C++ kernels of the CPU backend, compiled on first use with torch.utils.cpp_extension (g++ and ninja).
+
+Decode attention straight from the paged pool (csrc/paged_decode_attention.cpp) is ~2x the gather + SDPA
+path on the bench's shapes (bench/engine.py). Compiling takes ~30 s once per machine and source; the build
+lands in torch's extension cache (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions). Where it cannot
+be built (no compiler), or with VLMQ_CPU_KERNELS=0, the engine keeps the pure-torch path: same results to
+float rounding, only slower.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_decode_attention.cpp"
+PagedDecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float],
+                                torch.Tensor]
+
+_lock = threading.Lock()
+_loaded: dict[str, PagedDecodeAttention | None] = {}
+
+
+def _cpu_signature() -> str:
+    """Built with -march=native: a cache shared between different CPUs must not hand one's build to another."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        model = next((x for x in info.splitlines() if x.startswith(("model name", "flags"))), "")
+        flags = next((x for x in info.splitlines() if x.startswith("flags")), "")
+        return model + flags
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def enabled() -> bool:
+    return os.environ.get("VLMQ_CPU_KERNELS", "1").lower() not in ("0", "false", "off", "no")
+
+
+def paged_decode_attention() -> PagedDecodeAttention | None:
+    """The compiled kernel, or None where it is turned off or cannot be built (logged once)."""
+    if not enabled():
+        return None
+    with _lock:
+        if "decode" not in _loaded:
+            _loaded["decode"] = _build()
+        return _loaded["decode"]
+
+
+def _build() -> PagedDecodeAttention | None:
+    from torch.utils import cpp_extension
+
+    digest = hashlib.sha256(SOURCE.read_bytes() + _cpu_signature().encode() + torch.__version__.encode())
+    name = f"vlmq_paged_attention_{digest.hexdigest()[:12]}"
+    try:
+        import ninja  # the PyPI wheel's binary, for when the venv's bin/ is not on PATH
+
+        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+    except ImportError:
+        pass
+    try:
+        module = cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                                    extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as exc:  # no compiler or headers: the torch path serves, slower
+        log.warning("CPU attention kernel not built (%s: %s); using the pure-torch path", type(exc).__name__, exc)
+        return None
+    return module.paged_decode_attention  # type: ignore[no-any-return]
