@@ -85,8 +85,9 @@ def run_engine(path: Path, jobs: list[GenerationRequest], cpu_paths: bool = True
     start, cpu_start = time.perf_counter(), time.process_time()
     results = engine.generate(jobs)
     seconds = time.perf_counter() - start
-    print(f"  engine alone: {1000 * (time.process_time() - cpu_start) / len(jobs):.1f} ms of CPU per job")
-    return (Run("engine" if cpu_paths else "engine_torch", seconds, {r.request_id: r.token_ids for r in results}),
+    name = "engine" if cpu_paths else "engine_torch"
+    print(f"  {name} alone: {1000 * (time.process_time() - cpu_start) / len(jobs):.1f} ms of CPU per job")
+    return (Run(name, seconds, {r.request_id: r.token_ids for r in results}),
             [r.prompt_tokens for r in results], [len(r.token_ids) for r in results])
 
 

@@ -70,6 +70,7 @@ class Settings(BaseSettings):
     max_num_batched_tokens: int = Field(default=2048, ge=1, description="Tokens per engine step.")
     max_encoder_items_per_step: int = Field(default=64, ge=1, description="Images per vision forward.")
     encoder_cache_tokens: int = Field(default=32768, ge=1, description="Image embeddings kept, in positions.")
+    cpu_fast_paths: bool = Field(default=True, description="On CPU: C++ decode attention, oneDNN-packed linears.")
 
     # Input limits.
     max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)

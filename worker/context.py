@@ -83,6 +83,7 @@ def make_backend(loaded: object, settings: Settings) -> Generator:
         max_num_batched_tokens=settings.max_num_batched_tokens,
         max_encoder_items_per_step=settings.max_encoder_items_per_step,
         encoder_cache_tokens=settings.encoder_cache_tokens,
+        cpu_attention_kernel=settings.cpu_fast_paths, cpu_packed_linear=settings.cpu_fast_paths,
     )
     return EngineService(Engine(loaded, config))  # type: ignore[arg-type]
 

@@ -3,8 +3,8 @@
 Decode attention straight from the paged pool (csrc/paged_decode_attention.cpp) is ~2x the gather + SDPA
 path on the bench's shapes (bench/engine.py). Compiling takes ~30 s once per machine and source; the build
 lands in torch's extension cache (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions). Where it cannot
-be built (no compiler), or with VLMQ_CPU_KERNELS=0, the engine keeps the pure-torch path: same results to
-float rounding, only slower.
+be built (no compiler), or with EngineConfig.cpu_attention_kernel off (VLMQ_CPU_FAST_PATHS=false), the engine
+keeps the pure-torch path: same results to float rounding, only slower.
 """
 
 from __future__ import annotations
@@ -40,14 +40,8 @@ def _cpu_signature() -> str:
         return platform.processor() or platform.machine()
 
 
-def enabled() -> bool:
-    return os.environ.get("VLMQ_CPU_KERNELS", "1").lower() not in ("0", "false", "off", "no")
-
-
 def paged_decode_attention() -> PagedDecodeAttention | None:
-    """The compiled kernel, or None where it is turned off or cannot be built (logged once)."""
-    if not enabled():
-        return None
+    """The compiled kernel, or None where it cannot be built (logged once)."""
     with _lock:
         if "decode" not in _loaded:
             _loaded["decode"] = _build()
@@ -65,6 +59,7 @@ def _build() -> PagedDecodeAttention | None:
         os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
     except ImportError:
         pass
+    log.info("loading the CPU attention kernel %s (compiled on first use, ~30 s)", name)
     try:
         module = cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
                                     extra_ldflags=["-fopenmp"], verbose=False)

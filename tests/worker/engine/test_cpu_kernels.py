@@ -61,9 +61,30 @@ def test_kernel_refuses_bad_shapes(kernel: cpu_kernels.PagedDecodeAttention) -> 
         kernel(torch.zeros(1, 4, 8), cache, cache, torch.zeros(1, 1, dtype=torch.long), torch.ones(1), 1.0)
 
 
-def test_kernel_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("VLMQ_CPU_KERNELS", "0")
+def test_kernel_unavailable_means_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No compiler: the build fails, is logged, and the engine gets None (then gathers + SDPA)."""
+    from torch.utils import cpp_extension
+
+    def no_compiler(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("g++: not found")
+
+    monkeypatch.setattr(cpu_kernels, "_loaded", {})
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
     assert cpu_kernels.paged_decode_attention() is None
+
+
+def test_settings_turn_the_fast_paths_off(tiny_llava_path: object) -> None:
+    from common.settings import Settings
+    from worker.context import make_backend
+
+    for fast in (True, False):
+        service = make_backend(load_model(str(tiny_llava_path)), Settings(cpu_fast_paths=fast, kv_num_blocks=64))
+        try:
+            runner = service.engine.runner  # type: ignore[attr-defined]
+            assert (runner.decode_kernel is not None) is fast
+            assert any(isinstance(m, PackedLinear) for m in runner.model.modules()) is fast
+        finally:
+            service.close()
 
 
 def test_engine_tokens_equal_with_and_without_the_cpu_paths(tiny_llava_path: object) -> None:
