@@ -14,6 +14,7 @@ import logging
 import os
 import platform
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -52,18 +53,48 @@ def _build() -> PagedDecodeAttention | None:
     from torch.utils import cpp_extension
 
     digest = hashlib.sha256(SOURCE.read_bytes() + _cpu_signature().encode() + torch.__version__.encode())
-    name = f"vlmq_paged_attention_{digest.hexdigest()[:12]}"
+    name = f"vlmq_paged_attention_{digest.hexdigest()[:12]}"  # a new source, CPU or torch gets a new build
+    build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
+    built = build_dir / f"{name}.so"
     try:
-        import ninja  # the PyPI wheel's binary, for when the venv's bin/ is not on PATH
+        if built.exists():
+            # Loaded directly, not through cpp_extension.load: that takes a lock file around even an
+            # up-to-date build, and a worker killed while holding it would leave every later start waiting.
+            return _import(name, built)
+        _clear_stale_lock(build_dir)
+        try:
+            import ninja  # the PyPI wheel's binary, for when the venv's bin/ is not on PATH
 
-        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
-    except ImportError:
-        pass
-    log.info("loading the CPU attention kernel %s (compiled on first use, ~30 s)", name)
-    try:
-        module = cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                                    extra_ldflags=["-fopenmp"], verbose=False)
+            os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+        except ImportError:
+            pass
+        log.info("building the CPU attention kernel %s (once per machine, ~30 s)", name)
+        module = cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=["-O3", "-march=native",
+                                    "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler or headers: the torch path serves, slower
-        log.warning("CPU attention kernel not built (%s: %s); using the pure-torch path", type(exc).__name__, exc)
+        log.warning("CPU attention kernel not available (%s: %s); using the pure-torch path", type(exc).__name__, exc)
         return None
     return module.paged_decode_attention  # type: ignore[no-any-return]
+
+
+def _import(name: str, path: Path) -> PagedDecodeAttention:
+    import importlib.machinery
+    import importlib.util
+
+    loader = importlib.machinery.ExtensionFileLoader(name, str(path))
+    spec = importlib.util.spec_from_file_location(name, str(path), loader=loader)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module.paged_decode_attention  # type: ignore[no-any-return]
+
+
+def _clear_stale_lock(build_dir: Path, stale_after_s: float = 600.0) -> None:
+    """A lock file older than any build takes was left by a process killed mid-build."""
+    lock = build_dir / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > stale_after_s:
+            lock.unlink()
+            log.warning("removed a stale build lock %s", lock)
+    except FileNotFoundError:
+        pass

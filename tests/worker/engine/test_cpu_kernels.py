@@ -61,14 +61,16 @@ def test_kernel_refuses_bad_shapes(kernel: cpu_kernels.PagedDecodeAttention) -> 
         kernel(torch.zeros(1, 4, 8), cache, cache, torch.zeros(1, 1, dtype=torch.long), torch.ones(1), 1.0)
 
 
-def test_kernel_unavailable_means_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No compiler: the build fails, is logged, and the engine gets None (then gathers + SDPA)."""
+def test_kernel_unavailable_means_the_torch_path(monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> None:
+    """Not built yet and no compiler: the build fails, is logged, and the engine gets None (then gathers +
+    SDPA)."""
     from torch.utils import cpp_extension
 
     def no_compiler(*args: object, **kwargs: object) -> None:
         raise RuntimeError("g++: not found")
 
     monkeypatch.setattr(cpu_kernels, "_loaded", {})
+    monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose: str(tmp_path))
     monkeypatch.setattr(cpp_extension, "load", no_compiler)
     assert cpu_kernels.paged_decode_attention() is None
 
@@ -122,3 +124,45 @@ def test_pack_linears_keeps_parameters_and_skips_what_it_cannot_pack() -> None:
     assert {name: p for name, p in model.named_parameters()} == before
     torch.testing.assert_close(model(x), want, atol=1e-5, rtol=1e-5)
     assert pack_linears(nn.Sequential(nn.Linear(4, 4)).to(torch.bfloat16)) == 0  # fp32 only
+
+
+def test_a_built_kernel_loads_without_the_build_lock(monkeypatch: pytest.MonkeyPatch,
+                                                     kernel: cpu_kernels.PagedDecodeAttention) -> None:
+    """Once built, the kernel is imported directly: cpp_extension.load (and its lock file, which a killed
+    worker could leave behind) is not touched."""
+    from torch.utils import cpp_extension
+
+    def must_not_build(*args: object, **kwargs: object) -> None:
+        raise AssertionError("rebuilt an up-to-date kernel")
+
+    monkeypatch.setattr(cpu_kernels, "_loaded", {})
+    monkeypatch.setattr(cpp_extension, "load", must_not_build)
+    assert cpu_kernels.paged_decode_attention() is not None
+
+
+def test_a_stale_build_lock_is_removed(tmp_path: object) -> None:
+    import os
+    import time
+    from pathlib import Path
+
+    build_dir = Path(str(tmp_path))
+    lock = build_dir / "lock"
+    lock.write_text("")
+    cpu_kernels._clear_stale_lock(build_dir)
+    assert lock.exists()  # fresh: a build may be in progress
+    old = time.time() - 3600
+    os.utime(lock, (old, old))
+    cpu_kernels._clear_stale_lock(build_dir)
+    assert not lock.exists()
+
+
+def test_the_kernel_builds_from_source(monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> None:
+    """The first-use build (g++ and ninja, ~30 s) in an empty extension cache; then the built module loads."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_kernels, "_loaded", {})
+    built = cpu_kernels.paged_decode_attention()
+    assert built is not None
+    cache = torch.zeros(2, 4, 1, 8)
+    cache[:, :, :, 0] = 1.0
+    out = built(torch.ones(1, 2, 8), cache, cache, torch.tensor([[0, 1]]), torch.tensor([5]), 1.0)
+    torch.testing.assert_close(out, torch.tensor([[1.0] + [0.0] * 7] * 2).unsqueeze(0))
