@@ -35,7 +35,7 @@ def kernel() -> cpu_kernels.PagedDecodeAttention:
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "dim", "block_size"), [(8, 8, 64, 16), (8, 2, 32, 16),
-                                                                       (4, 1, 24, 4), (6, 3, 16, 1)])
+                                                                       (4, 1, 24, 4), (6, 3, 16, 1), (8, 8, 16, 2)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_kernel_matches_gather_and_sdpa(kernel: cpu_kernels.PagedDecodeAttention, heads: int,
                                                kv_heads: int, dim: int, block_size: int, dtype: torch.dtype) -> None:
@@ -57,8 +57,13 @@ def test_decode_kernel_matches_gather_and_sdpa(kernel: cpu_kernels.PagedDecodeAt
 
 def test_kernel_refuses_bad_shapes(kernel: cpu_kernels.PagedDecodeAttention) -> None:
     cache = torch.zeros(4, 16, 3, 8)
+    table = torch.zeros(1, 1, dtype=torch.long)
     with pytest.raises(RuntimeError, match="multiple of kv heads"):
-        kernel(torch.zeros(1, 4, 8), cache, cache, torch.zeros(1, 1, dtype=torch.long), torch.ones(1), 1.0)
+        kernel(torch.zeros(1, 4, 8), cache, cache, table, torch.ones(1), 1.0)
+    with pytest.raises(RuntimeError, match="beyond its table"):  # 17 keys in one block of 16
+        kernel(torch.zeros(1, 3, 8), cache, cache, table, torch.tensor([17]), 1.0)
+    with pytest.raises(RuntimeError, match="needs a key"):
+        kernel(torch.zeros(1, 3, 8), cache, cache, table, torch.tensor([0]), 1.0)
 
 
 def test_kernel_unavailable_means_the_torch_path(monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> None:
@@ -166,3 +171,19 @@ def test_the_kernel_builds_from_source(monkeypatch: pytest.MonkeyPatch, tmp_path
     cache[:, :, :, 0] = 1.0
     out = built(torch.ones(1, 2, 8), cache, cache, torch.tensor([[0, 1]]), torch.tensor([5]), 1.0)
     torch.testing.assert_close(out, torch.tensor([[1.0] + [0.0] * 7] * 2).unsqueeze(0))
+
+
+@pytest.mark.parametrize(("batch", "heads", "kv_heads"), [(1, 8, 8), (2, 8, 8), (2, 10, 5), (3, 6, 3), (1, 4, 1)])
+def test_few_sequences_split_their_kv_heads_across_tasks(kernel: cpu_kernels.PagedDecodeAttention, batch: int,
+                                                         heads: int, kv_heads: int) -> None:
+    """Fewer sequences than threads x 4: each sequence's kv heads are shared out between tasks (unevenly
+    where they do not divide), with the same result."""
+    gen = torch.Generator().manual_seed(batch * 10 + kv_heads)
+    dim, block_size, width, pool = 16, 4, 40, 200
+    k_cache = torch.randn(pool, block_size, kv_heads, dim, generator=gen)
+    v_cache = torch.randn(pool, block_size, kv_heads, dim, generator=gen)
+    tables = torch.randperm(pool, generator=gen)[: batch * width].view(batch, width)
+    lens = torch.tensor([160, 1, 77][:batch])
+    q = torch.randn(batch, heads, dim, generator=gen)
+    got = kernel(q, k_cache, v_cache, tables, lens, 0.25)
+    torch.testing.assert_close(got, _gather_sdpa(q, k_cache, v_cache, tables, lens, 0.25), atol=2e-5, rtol=2e-5)
