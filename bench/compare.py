@@ -282,6 +282,7 @@ def agreement(run: Run, reference: Run, loaded: LoadedModel) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--jobs", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each system, alternating; medians shown")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--models", default="tiny,small")
     parser.add_argument("--systems", default="hf1,hfb,engine_torch,engine,service,vllm")
@@ -315,30 +316,35 @@ def main() -> None:
                 seconds_by: dict[tuple[str, str], float] = {}
                 for kind in ("image", "text"):
                     jobs = make_jobs(args.jobs, kind == "image", args.max_tokens)
-                    runs: list[Run] = []
-                    engine_run, prompt_tokens, generated = run_engine(path, jobs)
+                    first_engine, prompt_tokens, generated = run_engine(path, jobs)
                     flops = workload_flops(loaded, prompt_tokens, generated, args.jobs if kind == "image" else 0)
-                    for system in systems:
-                        if system == "engine":
-                            runs.append(engine_run)
-                        elif system == "engine_torch":
-                            runs.append(run_engine(path, jobs, cpu_paths=False)[0])
-                        elif system in ("hf1", "hfb"):
-                            runs.append(run_hf(loaded, jobs, system == "hfb"))
-                        elif system == "service":
-                            runs.append(run_service(path, jobs, args.threads, work / f"svc-{name}-{kind}",
-                                                    f"http://127.0.0.1:{port}", moto.pid,
-                                                    profile=args.profile and Path(f"{args.profile}-{name}-{kind}")))  # type: ignore[union-attr]
-                        elif system == "vllm":
-                            run = run_vllm(path, loaded, jobs, args.threads, work / f"vllm-{name}-{kind}")
+                    repeats: dict[str, list[Run]] = {}
+                    for rep in range(args.repeats):  # systems alternate, so drifts of the machine hit all alike
+                        for system in systems:
+                            run: Run | None = None
+                            if system == "engine":
+                                run = first_engine if rep == 0 else run_engine(path, jobs)[0]
+                            elif system == "engine_torch":
+                                run = run_engine(path, jobs, cpu_paths=False)[0]
+                            elif system in ("hf1", "hfb"):
+                                run = run_hf(loaded, jobs, system == "hfb")
+                            elif system == "service":
+                                run = run_service(path, jobs, args.threads, work / f"svc-{name}-{kind}-{rep}",
+                                                  f"http://127.0.0.1:{port}", moto.pid,  # type: ignore[union-attr]
+                                                  profile=args.profile and Path(f"{args.profile}-{name}-{kind}"))
+                            elif system == "vllm":
+                                run = run_vllm(path, loaded, jobs, args.threads, work / f"vllm-{name}-{kind}-{rep}")
                             if run is not None:
-                                runs.append(run)
+                                repeats.setdefault(system, []).append(run)
+                    # Each system's median run stands for it; every repeat's time is printed beside it.
+                    runs = [sorted(rs, key=lambda r: r.seconds)[len(rs) // 2] for rs in repeats.values()]
+                    engine_run = next((r for r in runs if r.system == "engine"), first_engine)
                     reference = next((r for r in runs if r.system == "hf1"), engine_run)
                     n_tokens = sum(generated)
                     print(f"\n## {name}, {kind} jobs: {args.jobs} jobs, max_tokens {args.max_tokens}, "
                           f"{n_tokens} tokens generated, {flops / 1e9:.1f} GFLOP of work")
-                    print(f"{'system':<9}{'seconds':>9}{'jobs/s':>9}{'tok/s':>9}{'vs engine':>11}{'of peak':>9}"
-                          f"{'same as ' + reference.system:>13}")
+                    print(f"{'system':<13}{'seconds':>9}{'jobs/s':>9}{'tok/s':>9}{'vs engine':>11}{'of peak':>9}"
+                          f"{'same as ' + reference.system:>13}   seconds of each repeat")
                     for run in runs:
                         seconds_by[(run.system, kind)] = run.seconds
                         row = {"model": name, "kind": kind, "system": run.system, "seconds": run.seconds,
@@ -346,9 +352,10 @@ def main() -> None:
                                "of_peak": flops / run.seconds / (peak * 1e9),
                                "agreement": agreement(run, reference, loaded)}
                         table.append(row)
-                        print(f"{run.system:<9}{run.seconds:>9.2f}{row['jobs_per_s']:>9.1f}{row['tokens_per_s']:>9.0f}"
+                        row["repeats"] = [r.seconds for r in repeats[run.system]]
+                        print(f"{run.system:<13}{run.seconds:>9.2f}{row['jobs_per_s']:>9.1f}{row['tokens_per_s']:>9.0f}"
                               f"{engine_run.seconds / run.seconds:>10.2f}x{100 * row['of_peak']:>8.1f}%"
-                              f"{row['agreement']:>13}")
+                              f"{row['agreement']:>13}   {' '.join(f'{x:.2f}' for x in row['repeats'])}")
                 images = [j.images[0] for j in make_jobs(args.jobs, True, args.max_tokens)]
                 vision = vision_only_seconds(loaded, images)
                 print(f"\nimage tax ({name}): batched vision alone {vision:.2f}s for {args.jobs} images")
