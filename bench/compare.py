@@ -1,7 +1,7 @@
 """vlmq against its peers and against the machine, side by side in one run: the same jobs, the same checkpoint,
 greedy, fp32, the same max_tokens.
 
-    .venv/bin/python bench/compare.py --jobs 64 --models tiny,small --plot docs/compare.png
+    .venv/bin/python bench/compare.py --jobs 64 --models tiny,small --repeats 3 --plot docs/compare.png
     # vLLM CPU joins when its venv exists: bash bench/peers/setup.sh (default /work/peers-venv)
 
 Systems: (hf1) HF `generate` one job at a time, (hfb) HF padded batched `generate` in batches of 32,
@@ -136,7 +136,9 @@ def run_service(path: Path, jobs: list[GenerationRequest], threads: int, work: P
         commits = text("SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = current_database()")
         with sql.connect() as conn, ThreadPoolExecutor(connections) as pool:
             conn.execute(count)
+            time.sleep(1.5)  # let start-up's statistics reach pg_stat_database before the first reading
             transactions_before = conn.execute(commits).scalar_one()
+            conn.commit()
             spy = str(Path(sys.executable).parent / "py-spy")
             spies = [subprocess.Popen([spy, "record", "--format", "raw", "--gil", "--nonblocking", "-r", "250",
                                        "-o", f"{profile}.{part}.txt", "-p", str(stack.processes[part].pid)],
