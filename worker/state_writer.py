@@ -41,6 +41,10 @@ class StateWriter:
         self.max_group = max_group
         self.num_transactions = 0  # group transactions written (tests and metrics read it)
         self._queue: queue.SimpleQueue[_Request | None] = queue.SimpleQueue()
+        # Requests are queued under this lock, before `close` queues the stop: none can land after it and wait
+        # forever for an answer.
+        self._lock = threading.Lock()
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name="vlmq-state-writer", daemon=True)
         self._thread.start()
 
@@ -53,13 +57,18 @@ class StateWriter:
         return bool(self._ask(_Request(job_id, result)))
 
     def close(self, timeout: float = 10.0) -> None:
-        self._queue.put(None)
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._queue.put(None)
         self._thread.join(timeout)
 
     def _ask(self, request: _Request) -> Any:
-        if not self._thread.is_alive():
-            raise RuntimeError("state writer is closed")
-        self._queue.put(request)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("state writer is closed")
+            self._queue.put(request)
         return request.answer.result()
 
     def _run(self) -> None:
