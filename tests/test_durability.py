@@ -66,14 +66,15 @@ def wait_some_done(stack: FaultStack, job_ids: list[str], at_least: int = 4) -> 
 def wait_supervised(stack: FaultStack, workers: list[Process], job_ids: list[str], timeout: float,
                     faults: str = "") -> int:
     """Wait for every job to end, restarting a worker that exits, as compose's `restart: unless-stopped`
-    does; returns how many restarts it took."""
+    does; returns how many restarts it took. A restarted worker is not waited on to log readiness: it may
+    take a redelivered poison job and die before it logs it, and then it is simply restarted again."""
     restarts = 0
     deadline = time.monotonic() + timeout
     while stack.count(job_ids, "succeeded", "failed", "dead", "cancelled") != len(job_ids):
         assert time.monotonic() < deadline, stack.statuses(job_ids)
         if not workers[-1].alive():
             restarts += 1
-            start_worker(stack, workers, faults=faults)
+            workers.append(stack.worker(faults=faults))
         time.sleep(0.25)
     return restarts
 
