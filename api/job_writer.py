@@ -20,6 +20,7 @@ from typing import Any
 
 from api.deps import AppState
 from common import dispatch, jobs
+from common.group_queue import next_group
 from common.queue import send_run_jobs
 from common.views import job_view
 
@@ -60,20 +61,7 @@ class JobWriter:
                     self._thread.start()
 
     def _run(self) -> None:
-        while True:
-            first = self._queue.get()
-            if first is None:
-                return
-            batch = [first]
-            while len(batch) < self.max_batch:
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if item is None:
-                    self._queue.put(None)  # stop after this batch
-                    break
-                batch.append(item)
+        while (batch := next_group(self._queue, self.max_batch)) is not None:
             # A request whose client went away before its turn is not written (it was never answered 202);
             # the others can no longer be cancelled, so their answers can always be set.
             batch = [p for p in batch if p.answer.set_running_or_notify_cancel()]

@@ -23,7 +23,14 @@ import boto3
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.fault_stack import PostgresCluster, RedisServer, free_port, port_open, wait_for  # noqa: E402
+from tests.fault_stack import (  # noqa: E402
+    PostgresCluster,
+    RedisServer,
+    free_port,
+    port_open,
+    stack_env,
+    wait_for,
+)
 
 _TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -69,24 +76,8 @@ class ServiceStack:
         self.api_key = ""
 
     def env(self) -> dict[str, str]:
-        return {
-            **os.environ,
-            "VLMQ_DATABASE_URL": self.postgres.url,
-            "VLMQ_BROKER_URL": self.redis.url,
-            "VLMQ_STORAGE_BACKEND": "s3",
-            "VLMQ_S3_ENDPOINT_URL": self.s3_endpoint,
-            "VLMQ_S3_BUCKET": self.bucket,
-            "VLMQ_S3_ACCESS_KEY_ID": "testing",
-            "VLMQ_S3_SECRET_ACCESS_KEY": "testing",
-            "VLMQ_MODEL": str(self.model),
-            "VLMQ_DATA_DIR": str(self.workdir / "data"),
-            "VLMQ_AUTH": "on",
-            "VLMQ_LOG_FORMAT": "text",
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-            **self.settings_env,
-        }
+        return stack_env(self.postgres.url, self.redis.url, self.s3_endpoint, self.bucket, self.model, self.workdir,
+                         self.settings_env, VLMQ_LOG_FORMAT="text")
 
     def _spawn(self, name: str, args: list[str], **env: str) -> None:
         log = (self.workdir / f"{name}.log").open("wb")

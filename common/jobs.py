@@ -81,6 +81,11 @@ def _is_last_try() -> Any:
     return and_(Job.max_attempts > 1, Job.attempts + 1 >= Job.max_attempts)
 
 
+def _claimed_values(worker_id: str, lease_seconds: float, now: datetime) -> dict[str, Any]:
+    return {"status": JobStatus.RUNNING, "lease_owner": worker_id,
+            "lease_until": now + timedelta(seconds=lease_seconds), "attempts": Job.attempts + 1, "started_at": now}
+
+
 def claim(session: Session, job_id: str, worker_id: str, lease_seconds: float, *,
           unless_last_try: bool = False) -> Job | None:
     """Take the job for `worker_id`; None when someone else has it or it is finished (a duplicate message),
@@ -92,13 +97,7 @@ def claim(session: Session, job_id: str, worker_id: str, lease_seconds: float, *
     stmt = (
         update(Job)
         .where(Job.id == job_id, condition)
-        .values(
-            status=JobStatus.RUNNING,
-            lease_owner=worker_id,
-            lease_until=now + timedelta(seconds=lease_seconds),
-            attempts=Job.attempts + 1,
-            started_at=now,
-        )
+        .values(**_claimed_values(worker_id, lease_seconds, now))
         .returning(Job)  # one round trip: the claimed row comes back with the UPDATE
         .execution_options(synchronize_session=False, populate_existing=True)
     )
@@ -113,13 +112,7 @@ def claim_many(session: Session, job_ids: list[str], worker_id: str, lease_secon
     stmt = (
         update(Job)
         .where(Job.id.in_(job_ids), _claimable(now), ~_is_last_try())
-        .values(
-            status=JobStatus.RUNNING,
-            lease_owner=worker_id,
-            lease_until=now + timedelta(seconds=lease_seconds),
-            attempts=Job.attempts + 1,
-            started_at=now,
-        )
+        .values(**_claimed_values(worker_id, lease_seconds, now))
         .returning(Job)
         .execution_options(synchronize_session=False, populate_existing=True)
     )

@@ -236,6 +236,30 @@ class Report:
         return not (self.lost or self.stuck or self.duplicated or self.missing_result or self.over_attempts)
 
 
+def stack_env(database_url: str, broker_url: str, s3_endpoint: str, bucket: str, model: Path, workdir: Path,
+              settings_env: dict[str, str], **extra: str) -> dict[str, str]:
+    """The environment of a stack's `vlmq` processes (this file's and bench/service_stack.py's): its services,
+    auth on, offline; `extra` next, and `settings_env` (VLMQ_* settings) over all."""
+    return {
+        **os.environ,
+        "VLMQ_DATABASE_URL": database_url,
+        "VLMQ_BROKER_URL": broker_url,
+        "VLMQ_STORAGE_BACKEND": "s3",
+        "VLMQ_S3_ENDPOINT_URL": s3_endpoint,
+        "VLMQ_S3_BUCKET": bucket,
+        "VLMQ_S3_ACCESS_KEY_ID": "testing",
+        "VLMQ_S3_SECRET_ACCESS_KEY": "testing",
+        "VLMQ_MODEL": str(model),
+        "VLMQ_DATA_DIR": str(workdir / "data"),
+        "VLMQ_AUTH": "on",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        **extra,
+        **settings_env,
+    }
+
+
 class FaultStack:
     """API in this process (uvicorn thread), workers and the maintenance process as subprocesses."""
 
@@ -255,24 +279,8 @@ class FaultStack:
 
     # -- parts -------------------------------------------------------------------------------------------
     def env(self) -> dict[str, str]:
-        return {
-            **os.environ,
-            "VLMQ_DATABASE_URL": self.postgres.url,
-            "VLMQ_BROKER_URL": self.redis.url,
-            "VLMQ_STORAGE_BACKEND": "s3",
-            "VLMQ_S3_ENDPOINT_URL": f"http://127.0.0.1:{self.s3.port}",
-            "VLMQ_S3_BUCKET": self.bucket,
-            "VLMQ_S3_ACCESS_KEY_ID": "testing",
-            "VLMQ_S3_SECRET_ACCESS_KEY": "testing",
-            "VLMQ_MODEL": str(self.model),
-            "VLMQ_DATA_DIR": str(self.workdir / "data"),
-            "VLMQ_AUTH": "on",
-            "OMP_NUM_THREADS": "1",
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-            **self.settings_env,
-        }
+        return stack_env(self.postgres.url, self.redis.url, f"http://127.0.0.1:{self.s3.port}", self.bucket,
+                         self.model, self.workdir, self.settings_env, OMP_NUM_THREADS="1")
 
     def settings(self) -> Any:
         from common.settings import Settings

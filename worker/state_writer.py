@@ -21,6 +21,7 @@ from typing import Any
 
 from common import jobs
 from common.db import Database
+from common.group_queue import next_group
 from common.models import Job
 
 log = logging.getLogger(__name__)
@@ -72,20 +73,7 @@ class StateWriter:
         return request.answer.result()
 
     def _run(self) -> None:
-        while True:
-            first = self._queue.get()
-            if first is None:
-                return
-            group = [first]
-            while len(group) < self.max_group:
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if item is None:
-                    self._queue.put(None)  # stop after this group
-                    break
-                group.append(item)
+        while (group := next_group(self._queue, self.max_group)) is not None:
             try:
                 self._write(group)
             except Exception:  # never let one group stop the writer: every later request would hang
