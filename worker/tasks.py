@@ -15,8 +15,8 @@ from datetime import timedelta
 from celery import Celery, Task
 
 from common import batches, dispatch, jobs
-from common.coalesce import Coalescer
 from common.db import Database, get_database
+from common.debounce import Debouncer
 from common.queue import (
     TASK_CANCEL_BATCH,
     TASK_FINALIZE_BATCH,
@@ -46,9 +46,10 @@ class BatchContext:
 
 
 _batch_contexts: dict[int, BatchContext] = {}
-# Follow-ups of jobs ending together (dispatch top-ups per tenant and model, finalize checks per batch) run
-# once for all of them, not once per job.
-_after_job_work = Coalescer()
+# Follow-ups of ended jobs (dispatch top-ups per tenant and model, finalize checks per batch) run on one
+# background thread, at most once per interval for each key (common/debounce.py).
+AFTER_JOB_INTERVAL_SECONDS = 0.1
+_after_job_work = Debouncer(AFTER_JOB_INTERVAL_SECONDS, name="vlmq-after-job")
 _batch_lock = threading.Lock()
 
 
@@ -171,17 +172,16 @@ def _after_job(app: Celery, db: Database, settings: Settings, job_id: str, outco
     """Refill the tenant's dispatch window, and send finalize_batch when this job was the last open one of
     its batch.
 
-    Checked here, right after each job ends, rather than only by a periodic sweep: a batch completes as
-    soon as its last job does, and the check is one indexed query (none for a job of no batch). A job that
-    ends elsewhere (reaped to `dead`) is caught by the sweep task. Jobs ending together share one run of
-    each (common/coalesce.py). Finalization is idempotent, should two checks both see the batch done."""
+    Asked for right after each job ends, rather than left to the periodic sweep: a batch completes as soon
+    as its last job does, and its window is refilled while the engine still has work. Both run on the
+    debouncer's thread, at most every AFTER_JOB_INTERVAL_SECONDS per key, and once after the last job to ask:
+    each is one or two indexed queries that answer for every job ended before it started. A job that ends
+    elsewhere (reaped to `dead`), or a run lost with its process, is caught by the sweep task. Finalization
+    is idempotent, should two checks both see the batch done."""
     assert outcome.tenant is not None and outcome.model is not None  # a job that ran carries them
     tenant, model = outcome.tenant, outcome.model
-    try:
-        _after_job_work.run(("top_up", id(db), tenant, model), lambda: dispatch.top_up_after_job(
-            db, tenant, model, settings.dispatch_window, model_sender(app, settings)))
-    except Exception:
-        log.exception("dispatch top-up after job %s failed", job_id)  # the sweep tops up later
+    _after_job_work.request(("top_up", id(db), tenant, model), lambda: dispatch.top_up_after_job(
+        db, tenant, model, settings.dispatch_window, model_sender(app, settings)))
     if outcome.batch_id is None:
         return  # a single job: no batch to finalize
 
@@ -191,8 +191,4 @@ def _after_job(app: Celery, db: Database, settings: Settings, job_id: str, outco
         if batch_id is not None:
             send_finalize_batch(app, settings, batch_id)
 
-    try:
-        _after_job_work.run(("finalize", id(db), outcome.batch_id), finalize_if_done)
-    except Exception:
-        # The job's own outcome is already persisted; the sweep finalizes the batch later.
-        log.exception("finalize check after job %s failed", job_id)
+    _after_job_work.request(("finalize", id(db), outcome.batch_id), finalize_if_done)
