@@ -10,7 +10,8 @@ interval per key, it costs a few ms a second whatever the job rate; a window ref
 
 A request that arrives while its key's run is in progress schedules one more run, no earlier than `interval`
 after that run started: no request is ever dropped. Errors are logged; the key is free again afterwards. A
-run still pending when the process dies is lost with it, which the callers' periodic sweep covers.
+run still pending when the process dies is lost with it, which the callers' periodic sweep covers. A forked
+child gets a debouncer of its own, empty, whose thread starts on its first request.
 """
 
 from __future__ import annotations
@@ -18,11 +19,15 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Hashable
 
 log = logging.getLogger(__name__)
+
+_debouncers: weakref.WeakSet[Debouncer] = weakref.WeakSet()
 
 
 class Debouncer:
@@ -37,6 +42,17 @@ class Debouncer:
         self._last_start: dict[Hashable, float] = {}
         self._running: Hashable | None = None
         self._thread: threading.Thread | None = None
+        _debouncers.add(self)
+
+    def _after_fork_in_child(self) -> None:
+        # A forked child has none of the parent's threads, and may have forked while one held the lock: it
+        # starts afresh (the parent's pending runs are the parent's).
+        self._cond = threading.Condition()
+        self._pending.clear()
+        self._heap.clear()
+        self._last_start.clear()
+        self._running = None
+        self._thread = None
 
     def request(self, key: Hashable, work: Callable[[], object]) -> bool:
         """Have `work` run on the background thread, at once when `key` last ran `interval` ago or more.
@@ -98,3 +114,11 @@ class Debouncer:
                 continue
             heapq.heappop(self._heap)
             return key, self._pending.pop(key)
+
+
+def _reset_after_fork() -> None:
+    for debouncer in list(_debouncers):
+        debouncer._after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)

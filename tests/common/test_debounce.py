@@ -4,6 +4,7 @@ once more after the last request."""
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
 
@@ -103,3 +104,22 @@ def test_wait_idle_times_out_while_work_runs() -> None:
     assert debouncer.wait_idle(0.2) is False
     release.set()
     assert debouncer.wait_idle(5) is True
+
+
+def test_a_forked_child_runs_its_own_requests() -> None:
+    debouncer = Debouncer(interval=0.01)
+    debouncer.request("k", lambda: None)  # the parent's thread exists before the fork
+    assert debouncer.wait_idle(5)
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: no thread of the parent's survives; a request must still run
+        try:
+            debouncer.request("k", lambda: os.write(write_end, b"ran"))
+            os._exit(0 if debouncer.wait_idle(5) else 1)
+        finally:
+            os._exit(1)
+    os.close(write_end)
+    _, status = os.waitpid(pid, 0)
+    assert os.read(read_end, 16) == b"ran"
+    os.close(read_end)
+    assert os.waitstatus_to_exitcode(status) == 0
