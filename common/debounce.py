@@ -34,13 +34,12 @@ class Debouncer:
     def __init__(self, interval: float, name: str = "vlmq-debounce") -> None:
         self.interval = interval
         self.name = name
-        self.num_runs = 0  # runs of any key (tests read it)
         self._cond = threading.Condition()
         self._pending: dict[Hashable, Callable[[], object]] = {}  # key -> the latest work asked for
         self._heap: list[tuple[float, int, Hashable]] = []  # (due, tie-breaker, key) of each pending key
         self._order = itertools.count()
         self._last_start: dict[Hashable, float] = {}
-        self._running: Hashable | None = None
+        self._busy = False  # a run is in progress
         self._thread: threading.Thread | None = None
         _debouncers.add(self)
 
@@ -51,7 +50,7 @@ class Debouncer:
         self._pending.clear()
         self._heap.clear()
         self._last_start.clear()
-        self._running = None
+        self._busy = False
         self._thread = None
 
     def request(self, key: Hashable, work: Callable[[], object]) -> bool:
@@ -71,10 +70,10 @@ class Debouncer:
             return True
 
     def wait_idle(self, timeout: float = 10.0) -> bool:
-        """Until nothing is pending or running (tests, and a clean shutdown); False on timeout."""
+        """Until nothing is pending or running (tests); False on timeout."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            while self._pending or self._running is not None:
+            while self._pending or self._busy:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
@@ -85,20 +84,19 @@ class Debouncer:
         while True:
             with self._cond:
                 key, work = self._next_due()
-                self._running = key
+                self._busy = True
                 now = time.monotonic()
                 self._last_start[key] = now
                 # Keys idle for an interval no longer delay anything: forget them, so the map stays small.
                 for old in [k for k, started in self._last_start.items() if now - started > self.interval]:
                     del self._last_start[old]
             try:
-                self.num_runs += 1
                 work()
             except Exception:
                 log.exception("follow-up work %r failed", key)
             finally:
                 with self._cond:
-                    self._running = None
+                    self._busy = False
                     self._cond.notify_all()
 
     def _next_due(self) -> tuple[Hashable, Callable[[], object]]:
