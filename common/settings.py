@@ -71,6 +71,9 @@ class Settings(BaseSettings):
     max_encoder_items_per_step: int = Field(default=64, ge=1, description="Images per vision forward.")
     encoder_cache_tokens: int = Field(default=32768, ge=1, description="Image embeddings kept, in positions.")
     cpu_fast_paths: bool = Field(default=True, description="On CPU: C++ decode attention, oneDNN-packed linears.")
+    engine_process: bool = Field(
+        default=True, description="Run the paged engine in a child process, so that its Python does not share a "
+        "GIL with the worker's per-job work (delivery, SQL, S3, prompt encoding).")
 
     # Input limits.
     max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)

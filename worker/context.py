@@ -8,6 +8,7 @@ import socket
 import threading
 import uuid
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from common.db import Database, get_database
 from common.settings import Settings, get_settings
@@ -16,6 +17,9 @@ from worker.batcher import BatchingGenerator, Generator
 from worker.leases import LeaseKeeper
 from worker.pipeline import JobPipeline
 from worker.telemetry import WorkerTelemetry
+
+if TYPE_CHECKING:
+    from worker.engine.config import EngineConfig
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +54,9 @@ def build_context(settings: Settings) -> WorkerContext:
     store = make_store(settings)
     dtype = getattr(torch, settings.dtype)
     log.info("worker %s loading model %s on %s (%s)", worker_id, settings.model, settings.device, settings.dtype)
-    loaded = load_model(settings.model, device=settings.device, dtype=dtype)
-    generator = make_backend(loaded, settings)
+    generator = engine_process(settings) if settings.engine_process else None
+    if generator is None:
+        generator = make_backend(load_model(settings.model, device=settings.device, dtype=dtype), settings)
     leases = LeaseKeeper(db, worker_id, settings.lease_seconds, settings.heartbeat_seconds,
                          on_lost=generator.abort)
     pipeline = JobPipeline(settings, db, store, generator, leases, worker_id)
@@ -59,9 +64,44 @@ def build_context(settings: Settings) -> WorkerContext:
     return WorkerContext(settings, db, store, generator, leases, pipeline, worker_id, telemetry)
 
 
+def engine_config(settings: Settings) -> EngineConfig:
+    from worker.engine.config import EngineConfig
+
+    return EngineConfig(
+        block_size=settings.kv_block_size, num_kv_blocks=settings.kv_num_blocks,
+        kv_cache_fraction=settings.kv_cache_fraction, max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        max_encoder_items_per_step=settings.max_encoder_items_per_step,
+        encoder_cache_tokens=settings.encoder_cache_tokens,
+        cpu_attention_kernel=settings.cpu_fast_paths, cpu_packed_linear=settings.cpu_fast_paths,
+    )
+
+
+def engine_process(settings: Settings) -> Generator | None:
+    """The paged engine in a child process, where the backend setting allows it and it supports the model's
+    family; None where the model is to be loaded here instead (the HF backend)."""
+    import torch
+
+    from worker.engine.families import get_family
+    from worker.engine.process import EngineProcess, EngineSpec
+    from worker.model_loader import load_model
+
+    if settings.backend == "hf":
+        return None
+    front = load_model(settings.model, dtype=getattr(torch, settings.dtype), weights=False)
+    if settings.backend == "auto":
+        try:
+            get_family(front.model)
+        except ValueError:
+            return None  # make_backend says why, once it has loaded the model
+    spec = EngineSpec(model=settings.model, device=settings.device, dtype=settings.dtype,
+                      config=engine_config(settings), log_format=settings.log_format,
+                      log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()))
+    return EngineProcess(spec, front=front)
+
+
 def make_backend(loaded: object, settings: Settings) -> Generator:
     """The paged engine where it supports the model's family, else batched HF generate."""
-    from worker.engine.config import EngineConfig
     from worker.engine.engine import Engine
     from worker.engine.families import get_family
     from worker.engine.service import EngineService
@@ -77,15 +117,7 @@ def make_backend(loaded: object, settings: Settings) -> Generator:
     if not use_engine:
         return BatchingGenerator(HFBatchRunner(loaded), max_batch_size=settings.max_batch_size,  # type: ignore[arg-type]
                                  batch_wait_s=settings.batch_wait_ms / 1000)
-    config = EngineConfig(
-        block_size=settings.kv_block_size, num_kv_blocks=settings.kv_num_blocks,
-        kv_cache_fraction=settings.kv_cache_fraction, max_num_seqs=settings.max_num_seqs,
-        max_num_batched_tokens=settings.max_num_batched_tokens,
-        max_encoder_items_per_step=settings.max_encoder_items_per_step,
-        encoder_cache_tokens=settings.encoder_cache_tokens,
-        cpu_attention_kernel=settings.cpu_fast_paths, cpu_packed_linear=settings.cpu_fast_paths,
-    )
-    return EngineService(Engine(loaded, config))  # type: ignore[arg-type]
+    return EngineService(Engine(loaded, engine_config(settings)))  # type: ignore[arg-type]
 
 
 _context: WorkerContext | None = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -106,15 +107,26 @@ def model_location(path_or_id: str) -> str:
     return str(DEMO_MODEL_DIR) if path_or_id == DEMO_MODEL else path_or_id
 
 
-def load_model(path_or_id: str, device: str = "cpu", dtype: torch.dtype = torch.float32) -> LoadedModel:
-    from transformers import AutoModelForImageTextToText
+def load_model(path_or_id: str, device: str = "cpu", dtype: torch.dtype = torch.float32,
+               weights: bool = True) -> LoadedModel:
+    """With `weights=False` the model is built from its config on the meta device: no memory, no load time, and
+    everything but a forward works (family, placeholders, positions), which is what a front end that only
+    prepares requests for an engine in another process needs."""
+    from transformers import AutoConfig, AutoModelForImageTextToText, GenerationConfig
 
     name = path_or_id
     path_or_id = model_location(path_or_id)
     processor = load_processor(path_or_id)
     tokenizer = processor.tokenizer
-    model = AutoModelForImageTextToText.from_pretrained(path_or_id, dtype=dtype)
-    model.to(device)
+    if weights:
+        model = AutoModelForImageTextToText.from_pretrained(path_or_id, dtype=dtype)
+        model.to(device)
+    else:
+        with torch.device("meta"):
+            model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(path_or_id), dtype=dtype)
+        # The end-of-turn tokens live in generation_config.json, which from_config does not read.
+        with contextlib.suppress(OSError):
+            model.generation_config = GenerationConfig.from_pretrained(path_or_id)
     model.eval()
     return LoadedModel(
         model=model,

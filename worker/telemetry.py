@@ -92,13 +92,12 @@ class WorkerTelemetry:
 
     # -- outputs --------------------------------------------------------------------------------------
     def engine_metrics(self) -> dict[str, float]:
-        engine = getattr(self.generator, "engine", None)
-        return dict(engine.metrics()) if engine is not None and hasattr(engine, "metrics") else {}
+        metrics = getattr(self.generator, "metrics", None)
+        return dict(metrics()) if callable(metrics) else {}
 
     def vision_batches(self) -> tuple[list[int], int, int]:
         """Cumulative histogram buckets, count and sum of vision batch sizes, fed from the runner's list."""
-        runner = getattr(getattr(self.generator, "engine", None), "runner", None)
-        sizes = getattr(runner, "vision_batch_sizes", None) or []
+        sizes = getattr(self.generator, "vision_batch_sizes", None) or []
         with self._lock:
             new, self._vision_seen = sizes[self._vision_seen:], len(sizes)
             for size in new:

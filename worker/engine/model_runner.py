@@ -38,6 +38,24 @@ class PreparedInput:
     mrope_delta: int = 0
 
 
+def prepare_input(loaded: LoadedModel, family: ModelFamily, req: GenerationRequest) -> PreparedInput:
+    """Template, tokenise and preprocess one request (CPU). Needs the processor and the config, not the weights,
+    so a front end without them (`load_model(weights=False)`) prepares what an engine elsewhere runs."""
+    prompt = encode_prompt(loaded, req)
+    ids = prompt.input_ids.tolist()
+    image_inputs = family.image_inputs(prompt.encoded, prompt.num_images)
+    try:
+        runs = family.image_spans(ids, prompt.num_images)
+    except ValueError as exc:
+        raise InputError(f"image placeholders do not match the images: {exc}") from exc
+    images = [
+        ImageItem(content_hash=_tensor_hash(inputs), offset=start, num_tokens=length)
+        for (start, length), inputs in zip(runs, image_inputs, strict=True)
+    ]
+    positions, delta = family.prompt_positions(prompt.input_ids, prompt.encoded)
+    return PreparedInput(req, ids, images, image_inputs, positions, delta)
+
+
 def _kv_geometry(model: torch.nn.Module) -> tuple[int, int, int]:
     text = model.config.get_text_config()
     heads = text.num_attention_heads
@@ -121,19 +139,7 @@ class ModelRunner:
     # ------------------------------------------------------------------ caller's thread
 
     def prepare(self, req: GenerationRequest) -> PreparedInput:
-        prompt = encode_prompt(self.loaded, req)
-        ids = prompt.input_ids.tolist()
-        image_inputs = self.family.image_inputs(prompt.encoded, prompt.num_images)
-        try:
-            runs = self.family.image_spans(ids, prompt.num_images)
-        except ValueError as exc:
-            raise InputError(f"image placeholders do not match the images: {exc}") from exc
-        images = [
-            ImageItem(content_hash=_tensor_hash(inputs), offset=start, num_tokens=length)
-            for (start, length), inputs in zip(runs, image_inputs, strict=True)
-        ]
-        positions, delta = self.family.prompt_positions(prompt.input_ids, prompt.encoded)
-        return PreparedInput(req, ids, images, image_inputs, positions, delta)
+        return prepare_input(self.loaded, self.family, req)
 
     # ------------------------------------------------------------------ engine thread
 

@@ -54,6 +54,13 @@ class EngineService:
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
 
+    def metrics(self) -> dict[str, float]:
+        return self.engine.metrics()
+
+    @property
+    def vision_batch_sizes(self) -> list[int]:
+        return self.engine.runner.vision_batch_sizes
+
     def close(self, timeout: float = 10.0) -> None:
         self._closed.set()
         self._inbox.put(("close", None))

@@ -1,0 +1,34 @@
+"""Which generator a worker builds: the engine in a child process by default, in-process or HF when asked."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from common.settings import Settings
+from worker.batcher import BatchingGenerator
+from worker.context import engine_process
+from worker.engine.process import EngineProcess
+
+
+def test_the_default_is_the_engine_in_a_child_process(tiny_llava_path: Path) -> None:
+    settings = Settings(model=str(tiny_llava_path), kv_num_blocks=64, log_format="json")
+    assert settings.engine_process
+    generator = engine_process(settings)
+    try:
+        assert isinstance(generator, EngineProcess)
+        assert generator.spec.config.num_kv_blocks == 64 and generator.spec.log_format == "json"
+    finally:
+        generator.close()  # type: ignore[union-attr]
+
+
+def test_the_hf_backend_loads_the_model_here(tiny_llava_path: Path) -> None:
+    from worker.context import make_backend
+    from worker.model_loader import load_model
+
+    settings = Settings(model=str(tiny_llava_path), backend="hf")
+    assert engine_process(settings) is None
+    generator = make_backend(load_model(str(tiny_llava_path)), settings)
+    try:
+        assert isinstance(generator, BatchingGenerator)
+    finally:
+        generator.close()
