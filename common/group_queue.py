@@ -5,23 +5,32 @@ up while the previous group is written, so groups grow with the load and a lone 
 from __future__ import annotations
 
 import queue
+import time
 from typing import TypeVar
 
 T = TypeVar("T")
 
 
-def next_group(items: queue.SimpleQueue[T | None], max_items: int) -> list[T] | None:
+def next_group(items: queue.SimpleQueue[T | None], max_items: int, linger_seconds: float = 0.0) -> list[T] | None:
     """The next group, or None once the stop (None) is next. A stop met while draining ends this group and is
-    put back, so the following call returns None."""
+    put back, so the following call returns None. With `linger_seconds`, the group waits that long after its
+    first item for more to arrive."""
     first = items.get()
     if first is None:
         return None
     group = [first]
+    deadline = time.monotonic() + linger_seconds
     while len(group) < max_items:
         try:
             item = items.get_nowait()
         except queue.Empty:
-            break
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                item = items.get(timeout=remaining)
+            except queue.Empty:
+                break
         if item is None:
             items.put(None)
             break

@@ -110,3 +110,28 @@ def test_closed_writer_refuses(db: Database) -> None:  # noqa: F811
     w.close()
     with pytest.raises(RuntimeError, match="closed"):
         w.claim("job_x")
+
+
+def test_claims_asked_within_the_linger_share_one_transaction(db: Database) -> None:  # noqa: F811
+    """Staggered by less than the linger (not piled up behind a slow transaction): still one group."""
+    ids = [_new_job(db) for _ in range(6)]
+    w = StateWriter(db, "w1", lease_seconds=60, linger_seconds=0.5)
+    try:
+        def claim_after(i: int) -> object:
+            threading.Event().wait(0.02 * i)
+            return w.claim(ids[i])
+
+        with ThreadPoolExecutor(6) as pool:
+            claimed = list(pool.map(claim_after, range(6)))
+        assert [job.id for job in claimed] == ids  # type: ignore[attr-defined]
+        assert w.num_transactions == 1
+    finally:
+        w.close()
+    lone = StateWriter(db, "w2", lease_seconds=60, linger_seconds=0.0)
+    try:  # without a linger, the same staggered claims go one transaction each
+        more = [_new_job(db) for _ in range(3)]
+        for job_id in more:
+            assert lone.claim(job_id) is not None
+        assert lone.num_transactions == 3
+    finally:
+        lone.close()
