@@ -22,7 +22,6 @@ import contextlib
 import logging
 import os
 import pickle
-import signal
 import socket
 import subprocess
 import sys
@@ -32,8 +31,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
 
+from worker.engine.channel import Channel
 from worker.engine.config import EngineConfig
 from worker.engine.model_runner import PreparedInput, prepare_input
 from worker.generation import GenerationRequest, GenerationResult
@@ -41,7 +40,6 @@ from worker.model_loader import LoadedModel
 
 log = logging.getLogger(__name__)
 
-METRICS_INTERVAL_SECONDS = 1.0
 MAX_RESTART_DELAY_SECONDS = 60.0
 
 
@@ -59,26 +57,6 @@ class EngineSpec:
 
 class EngineDied(RuntimeError):
     """The engine process exited while it held the request."""
-
-
-class _Channel:
-    """One end of the pipe: whole pickled messages, sends serialised across threads."""
-
-    def __init__(self, conn: Connection) -> None:
-        self.conn = conn
-        self._send_lock = threading.Lock()
-
-    def send(self, message: tuple[Any, ...]) -> None:
-        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        with self._send_lock:
-            self.conn.send_bytes(data)
-
-    def recv(self) -> tuple[Any, ...]:
-        return pickle.loads(self.conn.recv_bytes())
-
-    def close(self) -> None:
-        with self._send_lock:
-            self.conn.close()
 
 
 class EngineProcess:
@@ -103,6 +81,7 @@ class EngineProcess:
         self.vision_batch_sizes: list[int] = []
         self.num_restarts = 0
         self._start_timeout = start_timeout
+        self._started_at = 0.0
         self._process, self._channel = self._spawn()
         self._ready.set()
         self._supervisor = threading.Thread(target=self._supervise, name="vlmq-engine-supervisor", daemon=True)
@@ -165,17 +144,17 @@ class EngineProcess:
 
     # ------------------------------------------------------------------ the child's lifecycle
 
-    def _spawn(self) -> tuple[subprocess.Popen[bytes], _Channel]:
+    def _spawn(self) -> tuple[subprocess.Popen[bytes], Channel]:
         # A fresh interpreter, not a fork: the parent has threads (Celery's, the heartbeat) and an initialised
         # OpenMP or CUDA. Not multiprocessing's spawn either: that re-imports the caller's __main__, and its exit
         # hook SIGTERMs (ignored here) and joins the children it knows, which would hang a worker's exit.
         parent_end, child_end = socket.socketpair()
         # The parent's code, whichever checkout it was imported from.
         path = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH")]))
-        process = subprocess.Popen([sys.executable, "-m", "worker.engine.process", str(child_end.fileno())],
+        process = subprocess.Popen([sys.executable, "-m", "worker.engine.child", str(child_end.fileno())],
                                    pass_fds=[child_end.fileno()], env={**os.environ, "PYTHONPATH": path})
         child_end.close()
-        channel = _Channel(Connection(parent_end.detach()))
+        channel = Channel(Connection(parent_end.detach()))
         channel.send(("spec", self.spec))
         deadline = None if self._start_timeout is None else time.monotonic() + self._start_timeout
         while not channel.conn.poll(1.0):
@@ -195,6 +174,7 @@ class EngineProcess:
             channel.close()
             raise RuntimeError(f"engine process failed to start: {message[1]}")
         log.info("engine process %s ready: %s", process.pid, message[1])
+        self._started_at = time.monotonic()
         return process, channel
 
     def _supervise(self) -> None:
@@ -207,6 +187,8 @@ class EngineProcess:
             self._channel.close()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self._process.wait(5)
+            if time.monotonic() - self._started_at > MAX_RESTART_DELAY_SECONDS:
+                delay = 1.0  # it had run a while: a new crash, not the same start failing again
             log.error("engine process %s exited (code %s); failing its requests and starting a new one",
                       self._process.pid, self._process.returncode)
             self._fail_all(EngineDied(f"engine process exited with code {self._process.returncode}"))
@@ -222,13 +204,18 @@ class EngineProcess:
                 self._ready.set()
                 break
 
-    def _read(self, channel: _Channel) -> None:
+    def _read(self, channel: Channel) -> None:
         """Until the child's end closes: resolve futures, keep the latest metrics."""
         while True:
             try:
-                message = channel.recv()
+                data = channel.conn.recv_bytes()
             except (EOFError, OSError):
                 return
+            try:
+                message = pickle.loads(data)
+            except Exception:  # one unreadable message must not stop the reader: every future would hang
+                log.exception("engine process sent a message that does not unpickle; dropped")
+                continue
             kind = message[0]
             if kind == "done":
                 _, request_id, result, error = message
@@ -250,97 +237,3 @@ class EngineProcess:
         for future in futures.values():
             if not future.done():
                 future.set_exception(error)
-
-
-def _portable(error: BaseException) -> BaseException:
-    """The error itself if it survives pickling (InputError does), else a RuntimeError that says what it was."""
-    try:
-        pickle.loads(pickle.dumps(error))
-        return error
-    except Exception:
-        return RuntimeError(f"{type(error).__name__}: {error}")
-
-
-def run_engine_child(conn: Connection) -> None:
-    """The child's main: build the engine the first message describes, then serve the pipe until told to close
-    or the parent goes away."""
-    import torch
-
-    from common.logs import configure_logging
-    from worker.engine.engine import Engine
-    from worker.engine.service import EngineService
-    from worker.model_loader import load_model
-
-    # A terminal's Ctrl-C or a service manager's SIGTERM reaches the whole process group. The worker's warm
-    # shutdown still needs the engine to finish the jobs it holds, so the child leaves signals to its parent,
-    # which closes it over the pipe (or dies, and the pipe's end tells the child so).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    channel = _Channel(conn)
-    spec: EngineSpec = channel.recv()[1]
-    configure_logging(spec.log_format, spec.log_level)
-    try:
-        loaded = load_model(spec.model, device=spec.device, dtype=getattr(torch, spec.dtype))
-        service = EngineService(Engine(loaded, spec.config))
-    except Exception as exc:
-        log.exception("engine process could not build the engine")
-        channel.send(("failed", f"{type(exc).__name__}: {exc}"))
-        return
-    channel.send(("ready", {"pid": os.getpid(),
-                            "num_kv_blocks": service.engine.block_manager.num_free_blocks}))
-    stop = threading.Event()
-    report_lock = threading.Lock()
-    vision_seen = 0
-
-    def report_metrics() -> None:
-        nonlocal vision_seen
-        with report_lock:
-            sizes = service.engine.runner.vision_batch_sizes
-            new, vision_seen = sizes[vision_seen:], len(sizes)
-            with contextlib.suppress(OSError, ValueError):  # the parent is gone; the read loop ends too
-                channel.send(("metrics", service.engine.metrics(), new))
-
-    def report_every_interval() -> None:
-        while not stop.wait(METRICS_INTERVAL_SECONDS):
-            report_metrics()
-
-    def reply(request_id: str, future: Future[GenerationResult]) -> None:
-        error = future.exception()
-        with contextlib.suppress(OSError, ValueError):
-            channel.send(("done", request_id, None if error else future.result(),
-                          None if error is None else _portable(error)))
-        # Run in the engine thread: once it has nothing left, the parent's counters are brought up to date at
-        # once, so what a finished batch reports matches its jobs without waiting for the next second.
-        if not service.engine.has_unfinished():
-            report_metrics()
-
-    metrics_thread = threading.Thread(target=report_every_interval, name="vlmq-engine-metrics", daemon=True)
-    metrics_thread.start()
-    try:
-        while True:
-            try:
-                message = channel.recv()
-            except (EOFError, OSError):
-                break  # the parent exited: nobody is left to take results
-            if message[0] == "add":
-                prepared: PreparedInput = message[1]
-                request_id = prepared.request.request_id
-                service.submit(prepared).add_done_callback(lambda f, rid=request_id: reply(rid, f))
-            elif message[0] == "abort":
-                service.abort(message[1])
-            elif message[0] == "close":
-                break
-    finally:
-        stop.set()
-        service.close()
-        metrics_thread.join(5)
-
-
-if __name__ == "__main__":
-    run_engine_child(Connection(int(sys.argv[1])))
-    # Nothing is left to finalise, and skipping the interpreter's teardown spares a C++ runtime torn down
-    # under threads that are still parked in it ("terminate called without an active exception", seen here).
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
