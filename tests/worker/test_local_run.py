@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from PIL import Image
 
@@ -42,11 +43,14 @@ def _write_input(path: Path) -> list[dict]:
     return bodies
 
 
-def test_vlmq_run_embedded_matches_hf(tiny_llava_path: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("engine_process", ["true", "false"])
+def test_vlmq_run_embedded_matches_hf(engine_process: str, tiny_llava_path: Path, tmp_path: Path) -> None:
+    """Token for token against HF, with the engine in a child process (the default) and in the worker's own."""
     input_path, output_path = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     bodies = _write_input(input_path)
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLMQ_")}
-    env.update({"VLMQ_DATA_DIR": str(tmp_path / "state"), "OMP_NUM_THREADS": "2"})
+    env.update({"VLMQ_DATA_DIR": str(tmp_path / "state"), "OMP_NUM_THREADS": "2",
+                "VLMQ_ENGINE_PROCESS": engine_process})
     proc = subprocess.run(
         [sys.executable, "-m", "common.cli", "run", str(input_path), "-o", str(output_path),
          "--model", str(tiny_llava_path)],
