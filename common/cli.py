@@ -80,6 +80,8 @@ def worker(
 
     settings = _settings(model=model, worker_concurrency=concurrency)
     setup_process_logging(settings.log_format, loglevel)
+    # Celery sets the root level only once it starts; the engine process, started before, logs at this one.
+    logging.getLogger().setLevel(loglevel.upper())
     celery_app = make_celery(settings)
     register_tasks(celery_app)
     context = get_context(settings)  # load the model before taking any message

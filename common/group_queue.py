@@ -1,6 +1,7 @@
 """The draining step of a group-commit writer thread (api/job_writer.py, worker/state_writer.py): block for
-the first item, then take whatever else has arrived meanwhile, up to a bound. No timer: under load items pile
-up while the previous group is written, so groups grow with the load and a lone item goes at once."""
+the first item, then take whatever else has arrived meanwhile, up to a bound. Under load items pile up while
+the previous group is written, so groups grow with the load; a writer whose requests arrive spread out (the
+worker's, one per job as the engine ends them) can also linger a few milliseconds for company."""
 
 from __future__ import annotations
 
