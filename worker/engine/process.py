@@ -21,7 +21,6 @@ import atexit
 import contextlib
 import logging
 import os
-import pickle
 import socket
 import subprocess
 import sys
@@ -156,26 +155,29 @@ class EngineProcess:
         child_end.close()
         channel = Channel(Connection(parent_end.detach()))
         channel.send(("spec", self.spec))
+        try:
+            info = self._await_ready(process, channel)
+        except BaseException:
+            process.kill()  # already gone, unless it was too slow
+            process.wait(5)
+            channel.close()
+            raise
+        log.info("engine process %s ready: %s", process.pid, info)
+        self._started_at = time.monotonic()
+        return process, channel
+
+    def _await_ready(self, process: subprocess.Popen[bytes], channel: Channel) -> object:
         deadline = None if self._start_timeout is None else time.monotonic() + self._start_timeout
         while not channel.conn.poll(1.0):
             if process.poll() is not None or (deadline is not None and time.monotonic() > deadline):
-                process.kill()
-                process.wait(5)
-                channel.close()
-                raise RuntimeError(f"engine process did not start (exit code {process.returncode})")
+                raise RuntimeError(f"engine process did not start (exit code {process.poll()})")
         try:
             message = channel.recv()
         except (EOFError, OSError):
-            process.wait(5)
-            channel.close()
-            raise RuntimeError(f"engine process exited while starting (exit code {process.returncode})") from None
+            raise RuntimeError(f"engine process exited while starting (exit code {process.wait(5)})") from None
         if message[0] != "ready":
-            process.wait(5)
-            channel.close()
             raise RuntimeError(f"engine process failed to start: {message[1]}")
-        log.info("engine process %s ready: %s", process.pid, message[1])
-        self._started_at = time.monotonic()
-        return process, channel
+        return message[1]
 
     def _supervise(self) -> None:
         delay = 1.0
@@ -208,11 +210,9 @@ class EngineProcess:
         """Until the child's end closes: resolve futures, keep the latest metrics."""
         while True:
             try:
-                data = channel.conn.recv_bytes()
+                message = channel.recv()
             except (EOFError, OSError):
                 return
-            try:
-                message = pickle.loads(data)
             except Exception:  # one unreadable message must not stop the reader: every future would hang
                 log.exception("engine process sent a message that does not unpickle; dropped")
                 continue
