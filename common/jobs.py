@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Integer, String, Text, and_, column, or_, select, update, values
+from sqlalchemy import Integer, String, and_, column, or_, select, update, values
 from sqlalchemy.orm import Session
 
-from common.models import DEFAULT_TENANT, Job, JobStatus, new_id, utcnow
+from common.models import DEFAULT_TENANT, Job, JobStatus, NulSafeText, new_id, utcnow
 
 
 @dataclass(frozen=True)
@@ -183,7 +183,9 @@ def finish_many(session: Session, worker_id: str, results: dict[str, JobResult])
     if session.get_bind().dialect.name != "postgresql":
         return {job_id for job_id, result in results.items() if finish(session, job_id, worker_id, result)}
     rows = values(
-        column("id", String), column("result_key", String), column("text", Text), column("finish_reason", String),
+        # NulSafeText as on the column itself: a model may generate NUL, which Postgres text cannot hold.
+        column("id", String), column("result_key", String), column("text", NulSafeText),
+        column("finish_reason", String),
         column("prompt_tokens", Integer), column("completion_tokens", Integer), name="results",
     ).data([(job_id, r.result_key, r.text, r.finish_reason, r.prompt_tokens, r.completion_tokens)
             for job_id, r in results.items()])
