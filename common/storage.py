@@ -90,6 +90,7 @@ class S3ObjectStore:
         access_key_id: str | None = None,
         secret_access_key: str | None = None,
         create_bucket: bool = False,
+        max_connections: int = 64,
     ) -> None:
         self.bucket = bucket
         self.client = boto3.client(
@@ -103,6 +104,10 @@ class S3ObjectStore:
                 connect_timeout=5,
                 read_timeout=60,
                 s3={"addressing_style": "path"},
+                # One client serves all of a process's threads. With botocore's default of 10 pooled
+                # connections, a worker running 64-256 jobs at once closed most connections after each
+                # request and opened a new one for the next (urllib3 logs "Connection pool is full").
+                max_pool_connections=max_connections,
             ),
         )
         if create_bucket:
@@ -157,6 +162,13 @@ class S3ObjectStore:
         self.client.head_bucket(Bucket=self.bucket)
 
 
+def store_connections(settings: Settings) -> int:
+    """Connections an S3 client keeps for reuse: enough for every thread of any vlmq process to hold one (a
+    worker's jobs in flight, the API's thread pool of 40, an ingest worker's tasks and their fetch threads).
+    The pool only keeps connections that were opened, so a large bound costs nothing while idle."""
+    return max(64, settings.worker_concurrency + 16, 8 * settings.ingest_concurrency + 16)
+
+
 def make_store(settings: Settings) -> ObjectStore:
     if settings.storage_backend == "s3":
         return S3ObjectStore(
@@ -166,6 +178,7 @@ def make_store(settings: Settings) -> ObjectStore:
             access_key_id=settings.s3_access_key_id,
             secret_access_key=settings.s3_secret_access_key,
             create_bucket=settings.s3_create_bucket,
+            max_connections=store_connections(settings),
         )
     assert settings.storage_dir is not None
     return LocalObjectStore(settings.storage_dir)

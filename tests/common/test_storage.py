@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
 
-from common.storage import LocalObjectStore, ObjectNotFound, ObjectStore, S3ObjectStore
+from common.settings import Settings
+from common.storage import LocalObjectStore, ObjectNotFound, ObjectStore, S3ObjectStore, make_store
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -52,3 +55,31 @@ def test_presigned_url_serves_the_object(s3_endpoint: str) -> None:
 
 def test_local_store_has_no_presigned_url(tmp_path: Path) -> None:
     assert LocalObjectStore(tmp_path).presigned_url("results/x.json", 60) is None
+
+
+def test_s3_connections_are_reused_by_many_threads(s3_endpoint: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A worker's jobs in flight share one client: 48 threads at once must not exhaust its pool, or each
+    request past the pool's size opens a new connection and throws it away (urllib3 warns so)."""
+    settings = Settings(storage_backend="s3", s3_endpoint_url=s3_endpoint, s3_bucket=f"b-{uuid.uuid4().hex[:10]}",
+                        s3_access_key_id="testing", s3_secret_access_key="testing", worker_concurrency=48)
+    store = make_store(settings)
+    assert isinstance(store, S3ObjectStore)
+    assert store.client.meta.config.max_pool_connections >= 48 + 16
+
+    def round_trip(i: int) -> bytes:
+        store.put(f"results/job_{i}.json", str(i).encode())
+        return store.get(f"results/job_{i}.json")
+
+    with caplog.at_level(logging.WARNING, logger="urllib3.connectionpool"), ThreadPoolExecutor(48) as pool:
+        for _ in range(3):
+            assert list(pool.map(round_trip, range(48))) == [str(i).encode() for i in range(48)]
+    assert not [r for r in caplog.records if "pool is full" in r.getMessage()]
+
+
+def test_the_default_pool_would_have_been_exhausted(s3_endpoint: str, caplog: pytest.LogCaptureFixture) -> None:
+    """The check above can fail: with botocore's default pool of 10, the same load is warned about."""
+    store = S3ObjectStore(f"b-{uuid.uuid4().hex[:10]}", endpoint_url=s3_endpoint, access_key_id="testing",
+                          secret_access_key="testing", create_bucket=True, max_connections=10)
+    with caplog.at_level(logging.WARNING, logger="urllib3.connectionpool"), ThreadPoolExecutor(48) as pool:
+        list(pool.map(lambda i: store.put(f"results/job_{i}.json", b"x"), range(96)))
+    assert [r for r in caplog.records if "pool is full" in r.getMessage()]
