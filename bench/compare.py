@@ -24,12 +24,14 @@ import io
 import json
 import os
 import random
+import re
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -104,11 +106,12 @@ def _data_url(image: Image.Image) -> str:
 
 
 def run_service(path: Path, jobs: list[GenerationRequest], threads: int, work: Path, s3_endpoint: str,
-                s3_pid: int, connections: int = 8, profile: Path | None = None) -> Run:
+                s3_pid: int, connections: int = 8, profile: Path | None = None, profile_cpu: bool = False) -> Run:
     """Timed from the first POST to the last job seen succeeded in SQL; the jobs are posted over
     `connections` keep-alive connections at once, as a client with many jobs would. Prints the CPU each
     part of the stack spent per job in that time. With `profile`, py-spy samples the API and the worker
-    meanwhile, in whichever thread holds the GIL (collapsed stacks, `<profile>.<part>.txt`)."""
+    meanwhile, in whichever thread holds the GIL (collapsed stacks, `<profile>.<part>.txt`); with
+    `profile_cpu`, every thread that is on a CPU instead, the worker's engine process included."""
     from concurrent.futures import ThreadPoolExecutor
 
     from service_stack import ServiceStack
@@ -140,7 +143,8 @@ def run_service(path: Path, jobs: list[GenerationRequest], threads: int, work: P
             transactions_before = conn.execute(commits).scalar_one()
             conn.commit()
             spy = str(Path(sys.executable).parent / "py-spy")
-            spies = [subprocess.Popen([spy, "record", "--format", "raw", "--gil", "--nonblocking", "-r", "250",
+            mode = ["--subprocesses"] if profile_cpu else ["--gil"]
+            spies = [subprocess.Popen([spy, "record", "--format", "raw", *mode, "--nonblocking", "-r", "250",
                                        "-o", f"{profile}.{part}.txt", "-p", str(stack.processes[part].pid)],
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                      for part in (("api", "worker") if profile else ())]
@@ -178,6 +182,11 @@ def run_service(path: Path, jobs: list[GenerationRequest], threads: int, work: P
                  for job, job_id in zip(jobs, ids, strict=True)}
         for c in clients:
             c.close()
+        for part in stack.processes:  # a fast run that logged trouble on the way is not a clean run
+            problems = Counter(re.sub(r"\d+", "N", line)[:160] for line in stack.log(part).splitlines()
+                               if re.search(r"\b(WARNING|ERROR|CRITICAL)\b", line))
+            for line, n in problems.most_common(5):
+                print(f"  {part} logged {n}x: {line}")
         return Run("service", seconds, texts)  # type: ignore[arg-type]
     except Exception:
         for name in stack.processes:
@@ -292,6 +301,8 @@ def main() -> None:
     parser.add_argument("--plot", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--profile", type=Path, default=None, help="py-spy the service's API and worker: prefix")
+    parser.add_argument("--profile-cpu", action="store_true",
+                        help="with --profile: sample every thread on a CPU (engine process included), not the GIL")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
@@ -333,7 +344,8 @@ def main() -> None:
                             elif system == "service":
                                 run = run_service(path, jobs, args.threads, work / f"svc-{name}-{kind}-{rep}",
                                                   f"http://127.0.0.1:{port}", moto.pid,  # type: ignore[union-attr]
-                                                  profile=args.profile and Path(f"{args.profile}-{name}-{kind}"))
+                                                  profile=args.profile and Path(f"{args.profile}-{name}-{kind}"),
+                                                  profile_cpu=args.profile_cpu)
                             elif system == "vllm":
                                 run = run_vllm(path, loaded, jobs, args.threads, work / f"vllm-{name}-{kind}-{rep}")
                             if run is not None:

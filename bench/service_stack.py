@@ -60,6 +60,13 @@ def tree_cpu_seconds(pid: int, tree: dict[int, list[int]] | None = None) -> floa
     return own + sum(tree_cpu_seconds(child, tree) for child in tree.get(pid, []))
 
 
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
 class ServiceStack:
     def __init__(self, workdir: Path, s3_endpoint: str, model: Path, **settings: Any) -> None:
         self.workdir = workdir
@@ -127,7 +134,13 @@ class ServiceStack:
         postmaster = int((self.postgres.data / "postmaster.pid").read_text().split()[0])
         parts = {name: proc.pid for name, proc in self.processes.items()}
         parts |= {"postgres": postmaster, "redis": self.redis.proc.pid, "s3": s3_pid}  # type: ignore[union-attr]
-        return {name: tree_cpu_seconds(pid, tree) for name, pid in parts.items()}
+        spent = {name: tree_cpu_seconds(pid, tree) for name, pid in parts.items()}
+        # The worker's engine process (VLMQ_ENGINE_PROCESS), shown apart: what is left is the job handling.
+        engines = [pid for pid in tree.get(self.processes["worker"].pid, []) if b"worker.engine.child" in _cmdline(pid)]
+        if engines:
+            spent["engine"] = sum(tree_cpu_seconds(pid, tree) for pid in engines)
+            spent["worker"] -= spent["engine"]
+        return spent
 
     def close(self) -> None:
         for proc in self.processes.values():
