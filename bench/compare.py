@@ -84,11 +84,15 @@ def run_engine(path: Path, jobs: list[GenerationRequest], cpu_paths: bool = True
                ) -> tuple[Run, list[int], list[int]]:
     engine = new_engine(path, cpu_paths)  # model load and KV allocation are start-up, not throughput
     engine.generate(make_jobs(4, bool(jobs[0].images), 4, seed=99, prefix="warm"))
-    start, cpu_start = time.perf_counter(), time.process_time()
+    start, cpu_start, steps = time.perf_counter(), time.process_time(), engine.stats.num_steps
+    vision_before = len(engine.runner.vision_batch_sizes)
     results = engine.generate(jobs)
     seconds = time.perf_counter() - start
     name = "engine" if cpu_paths else "engine_torch"
-    print(f"  {name} alone: {1000 * (time.process_time() - cpu_start) / len(jobs):.1f} ms of CPU per job")
+    vision = engine.runner.vision_batch_sizes[vision_before:]
+    print(f"  {name} alone: {1000 * (time.process_time() - cpu_start) / len(jobs):.1f} ms of CPU per job, "
+          f"{engine.stats.num_steps - steps} steps"
+          + (f", {len(vision)} vision batches of {sum(vision) / len(vision):.1f} images" if vision else ""))
     return (Run(name, seconds, {r.request_id: r.token_ids for r in results}),
             [r.prompt_tokens for r in results], [len(r.token_ids) for r in results])
 
@@ -149,6 +153,7 @@ def run_service(path: Path, jobs: list[GenerationRequest], threads: int, work: P
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                      for part in (("api", "worker") if profile else ())]
             time.sleep(1.0 if spies else 0)
+            metrics_before = stack.worker_metrics()
             cpu_before, client_before = stack.cpu_seconds(s3_pid), os.times()
             start = time.perf_counter()
             ids = list(pool.map(post, range(len(bodies))))
@@ -169,7 +174,15 @@ def run_service(path: Path, jobs: list[GenerationRequest], threads: int, work: P
             conn.commit()
             time.sleep(1.5)  # backends flush their statistics to pg_stat_database at most once a second
             transactions = conn.execute(commits).scalar_one() - transactions_before
+            metrics = stack.worker_metrics()  # the engine's counters reached the worker by now (idle snapshot)
         sql.dispose()
+        delta = {name: metrics.get(name, 0.0) - metrics_before.get(name, 0.0)
+                 for name in ("vlmq_engine_steps_total", "vlmq_engine_vision_batch_size_count",
+                              "vlmq_engine_vision_batch_size_sum")}
+        vision = delta["vlmq_engine_vision_batch_size_count"]
+        print(f"  service engine: {delta['vlmq_engine_steps_total']:.0f} steps"
+              + (f", {vision:.0f} vision batches of {delta['vlmq_engine_vision_batch_size_sum'] / vision:.1f} images"
+                 if vision else ""))
         spent = {name: cpu_after[name] - cpu_before[name] for name in cpu_before}
         spent["client"] = (client_after.user + client_after.system) - (client_before.user + client_before.system)
         print("  service CPU per job (ms): " + ", ".join(f"{name} {1000 * s / len(jobs):.1f}"

@@ -78,6 +78,7 @@ class ServiceStack:
         self.model = model
         self.settings_env = {f"VLMQ_{k.upper()}": str(v) for k, v in settings.items()}
         self.api_port = free_port()
+        self.metrics_port = free_port()  # the worker's Prometheus endpoint
         self.api_url = f"http://127.0.0.1:{self.api_port}"
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
         self.api_key = ""
@@ -113,7 +114,7 @@ class ServiceStack:
         self._spawn("api", ["api", "--port", str(self.api_port)], OMP_NUM_THREADS="1")
         self._spawn("maintenance", ["ingest-worker", "--beat"], OMP_NUM_THREADS="1")
         self._spawn("worker", ["worker", "--no-ingest", "--concurrency", str(worker_concurrency)],
-                    OMP_NUM_THREADS=str(worker_threads))
+                    OMP_NUM_THREADS=str(worker_threads), VLMQ_METRICS_PORT=str(self.metrics_port))
         wait_for(lambda: port_open(self.api_port) or self.processes["api"].poll() is not None, 60, "the API")
         wait_for(lambda: "ready." in self.log("worker") or self.processes["worker"].poll() is not None, 180,
                  "the worker")
@@ -127,6 +128,19 @@ class ServiceStack:
 
         return httpx.Client(base_url=self.api_url, headers={"Authorization": f"Bearer {self.api_key}"},
                             timeout=120, **kwargs)
+
+    def worker_metrics(self) -> dict[str, float]:
+        """The worker's Prometheus samples, by name with labels (engine counters lag by up to a second)."""
+        import httpx
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).text
+        samples: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+                samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+        return samples
 
     def cpu_seconds(self, s3_pid: int) -> dict[str, float]:
         """CPU spent so far by each part of the stack."""
