@@ -136,15 +136,15 @@ STOPPED_BY = {
 }
 
 
-def job_line(job: Job, body: dict[str, Any] | None, cancelled_code: str = "batch_cancelled") -> dict[str, Any]:
-    """Output line of a finished job, OpenAI batch format. `body` is the stored chat.completion (rebuilt from
-    the row when None). A failed request carries the error body the endpoint would have answered with; a
-    cancelled one says why (`cancelled_code`: batch_cancelled or batch_expired)."""
+def job_line(job: Job, cancelled_code: str = "batch_cancelled") -> dict[str, Any]:
+    """Output line of a finished job, OpenAI batch format. A succeeded job's chat.completion is built from its
+    row, which holds everything the worker put in the result object; the row is the truth, and reading it
+    costs no object GET per line. A failed request carries the error body the endpoint would have answered
+    with; a cancelled one says why (`cancelled_code`: batch_cancelled or batch_expired)."""
     line_id = f"batch_req_{job.id}"
     if job.status == JobStatus.SUCCEEDED:
-        if body is None:
-            body = chat_completion(job.id, job.model, int(job.created_at.timestamp()), job.result_text or "",
-                                   job.finish_reason or "stop", job.prompt_tokens or 0, job.completion_tokens or 0)
+        body = chat_completion(job.id, job.model, int(job.created_at.timestamp()), job.result_text or "",
+                               job.finish_reason or "stop", job.prompt_tokens or 0, job.completion_tokens or 0)
         return {"id": line_id, "custom_id": job.custom_id,
                 "response": {"status_code": 200, "request_id": job.id, "body": body}, "error": None}
     if job.status == JobStatus.CANCELLED:

@@ -33,12 +33,11 @@ from common.models import (
     Batch,
     BatchLineError,
     Job,
-    JobStatus,
     new_file_id,
 )
 from common.queue import make_celery, send_run_jobs
 from common.settings import Settings
-from common.storage import ObjectNotFound, ObjectStore, make_store
+from common.storage import ObjectStore, make_store
 from worker.embedded import embedded_worker
 from worker.ingest import IngestDeps, ingest_batch
 
@@ -107,7 +106,7 @@ def run_file(input_path: Path, output_path: Path, settings: Settings, console: C
             ingest_batch(summary.batch_id, IngestDeps(settings, db, store, dispatch, any_model=True))
         _wait(db, app, settings, summary, console)
         summary.elapsed_s = time.monotonic() - started
-    _write_output(db, store, summary, output_path, _expected_answers(input_path))
+    _write_output(db, summary, output_path, _expected_answers(input_path))
     return summary
 
 
@@ -154,7 +153,7 @@ def _wait(db: Database, app: Any, settings: Settings, summary: RunSummary, conso
             time.sleep(0.2)
 
 
-def _write_output(db: Database, store: ObjectStore, summary: RunSummary, path: Path,
+def _write_output(db: Database, summary: RunSummary, path: Path,
                   expected: dict[str, str]) -> None:
     """Every input line's outcome in input order: a merge of the jobs and the refused lines by line number."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -168,7 +167,7 @@ def _write_output(db: Database, store: ObjectStore, summary: RunSummary, path: P
         for job in jobs:
             while pending is not None and pending.line < (job.line or 0):
                 pending = _write_refused(out, summary, pending, refused)
-            line = job_line(job, _result_body(store, job))
+            line = job_line(job)
             answer = None
             if line["response"] is not None and line["error"] is None:
                 summary.completion_tokens += line["response"]["body"]["usage"]["completion_tokens"]
@@ -197,12 +196,3 @@ def _write_refused(out: Any, summary: RunSummary, err: BatchLineError, rest: Any
     summary.line_errors.append(error)
     out.write(json.dumps(refused_line(error, f"batch_req_line{err.line}"), ensure_ascii=False) + "\n")
     return next(rest, None)
-
-
-def _result_body(store: ObjectStore, job: Job) -> dict[str, Any] | None:
-    if job.status != JobStatus.SUCCEEDED or not job.result_key:
-        return None
-    try:
-        return json.loads(store.get(job.result_key))
-    except ObjectNotFound:
-        return None  # rebuilt from the row

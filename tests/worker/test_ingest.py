@@ -261,6 +261,36 @@ def test_finalize_writes_openai_files_once(settings: Settings, db: Database, sto
     assert finalize_batch(batch_id, db, store) == "completed"  # again: nothing changes
 
 
+def test_finalize_builds_lines_from_the_rows(settings: Settings, db: Database, store: ObjectStore,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """No result object is read back: every line comes from its row. Where the object disagrees with the row
+    (a worker that lost its lease stored its own sampled answer after the new holder finished), the output
+    says what the row, the truth, says."""
+    data = "\n".join([line("a"), line("b"), line("c")]).encode()
+    batch_id = make_batch(db, store, data)
+    ingest_batch(batch_id, IngestDeps(settings, db, store, Recorder()))
+    by_cid = {j.custom_id: j for j in batch_jobs(db, batch_id)}
+    for cid, job in by_cid.items():
+        _finish(db, store, job, f"answer {cid}\x00")
+    stale = by_cid["b"]
+    stale_body = chat_completion(stale.id, stale.model, 0, "stale", "length", 5, 9)
+    store.put(result_key(stale.id, stale.tenant), json.dumps(stale_body).encode())
+    store.delete(result_key(by_cid["c"].id, by_cid["c"].tenant))
+    reads: list[str] = []
+    original_get = store.get
+    monkeypatch.setattr(store, "get", lambda key: reads.append(key) or original_get(key))
+    assert finalize_batch(batch_id, db, store) == "completed"
+    assert [key for key in reads if "results/" in key] == []
+    monkeypatch.undo()
+    batch = get_batch(db, batch_id)
+    output = {o["custom_id"]: o["response"]["body"] for o in _read_jsonl(store, db, batch.output_file_id or "")}
+    assert {cid: body["choices"][0]["message"]["content"] for cid, body in output.items()} == {
+        "a": "answer a\x00", "b": "answer b\x00", "c": "answer c\x00"}
+    job = by_cid["a"]
+    assert output["a"] == chat_completion(job.id, job.model, int(job.created_at.timestamp()), "answer a\x00", "stop",
+                                          5, 2)
+
+
 def test_cancel_during_ingestion(settings: Settings, db: Database, store: ObjectStore) -> None:
     batch_id = make_batch(db, store, ("\n".join(line(f"c{i}") for i in range(7)) + "\n{x\n").encode())
 
