@@ -164,9 +164,10 @@ class S3ObjectStore:
 
 def store_connections(settings: Settings) -> int:
     """Connections an S3 client keeps for reuse: enough for every thread of any vlmq process to hold one (a
-    worker's jobs in flight, the API's thread pool of 40, an ingest worker's tasks and their fetch threads).
-    The pool only keeps connections that were opened, so a large bound costs nothing while idle."""
-    return max(64, settings.worker_concurrency + 16, 8 * settings.ingest_concurrency + 16)
+    worker's jobs in flight, the API's thread pool of 40, an ingest worker's tasks), with room for the
+    heartbeat and follow-up threads. The pool only keeps connections that were opened, so a large bound
+    costs nothing while idle."""
+    return max(64, settings.worker_concurrency + 16, settings.ingest_concurrency + 16)
 
 
 def make_store(settings: Settings) -> ObjectStore:

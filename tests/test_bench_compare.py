@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +28,27 @@ def test_service_run_agrees_with_the_engine_and_accounts_cpu(tmp_path: Path) -> 
     assert len(cpu_lines) == 2
     for line in cpu_lines:
         parts = dict(item.rsplit(" ", 1) for item in line.split(", "))
-        assert set(parts) == {"api", "maintenance", "worker", "postgres", "redis", "s3", "client"}
-        assert float(parts["worker"]) > 0 and float(parts["api"]) > 0 and float(parts["s3"]) > 0
+        assert set(parts) == {"api", "maintenance", "worker", "engine", "postgres", "redis", "s3", "client"}
+        assert all(float(parts[name]) > 0 for name in ("worker", "engine", "api", "s3")), parts
     assert len(re.findall(r"service timeline .* claimed [\d.]+-[\d.]+, finished [\d.]+-[\d.]+", run.stdout)) == 2
+    # The engine's steps, alone and in the service (read from the worker's Prometheus port): 6 jobs of 6 tokens
+    # take at least 6 steps, and the image run's jobs went through at least one vision batch.
+    alone = [int(n) for n in re.findall(r"engine alone: [\d.]+ ms of CPU per job, (\d+) steps", run.stdout)]
+    inside = re.findall(r"service engine: (\d+) steps(?:, (\d+) vision batches)?", run.stdout)
+    assert len(alone) == 2 and min(alone) >= 6, run.stdout
+    assert len(inside) == 2 and all(int(steps) >= 6 for steps, _ in inside), run.stdout
+    assert int(inside[0][1] or 0) >= 1, run.stdout  # images run first
+    assert "logged" not in run.stdout, run.stdout  # no part warned or failed on the way
+
+
+def test_finalize_bench_runs_side_by_side(tmp_path: Path) -> None:
+    """bench/finalize.py in its smallest size, against a second copy of the code: both finalize the batch."""
+    copy = tmp_path / "code"
+    for part in ("api", "common", "worker"):
+        shutil.copytree(ROOT / part, copy / part, ignore=shutil.ignore_patterns("__pycache__"))
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "finalize.py"), "--jobs", "40", "--repeats", "1",
+                          "--code", str(copy)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = re.findall(r"^(\S+)\s+([\d.]+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)x", run.stdout, re.M)
+    assert [Path(r[0]) for r in rows] == [ROOT, copy.resolve()], run.stdout
+    assert all(int(r[2]) > 0 for r in rows), run.stdout
