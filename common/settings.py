@@ -67,6 +67,10 @@ class Settings(BaseSettings):
     kv_num_blocks: int | None = Field(default=None, ge=1, description="KV pool in blocks; default: a fraction.")
     kv_cache_fraction: float = Field(default=0.3, gt=0, le=0.95, description="Of free memory, for the KV pool.")
     max_num_seqs: int = Field(default=64, ge=1, description="Requests decoding together.")
+    engine_step_linger_ms: float = Field(
+        default=5.0, ge=0, le=1000,
+        description="While jobs still arrive and the batch has room, wait up to this long for the next before an "
+                    "engine step (fewer, fuller steps); 0: step at once.")
     max_num_batched_tokens: int = Field(default=2048, ge=1, description="Tokens per engine step.")
     max_encoder_items_per_step: int = Field(default=64, ge=1, description="Images per vision forward.")
     encoder_cache_tokens: int = Field(default=32768, ge=1, description="Image embeddings kept, in positions.")

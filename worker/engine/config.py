@@ -18,6 +18,9 @@ class EngineConfig:
     overlap_vision: bool | None = None   # vision on its own CUDA stream; None: on when the device is CUDA
     cpu_attention_kernel: bool = True    # on CPU, decode attention by the C++ kernel where it builds
     cpu_packed_linear: bool = True       # on CPU (fp32), linear layers with oneDNN pre-packed weights
+    # While requests still arrive (one came within this many seconds) and the batch has room, the service
+    # waits up to this long for the next before stepping: fewer, fuller steps under a trickle. 0: never.
+    step_linger_seconds: float = 0.005
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
@@ -28,3 +31,5 @@ class EngineConfig:
             raise ValueError("kv_cache_fraction must be in (0, 0.95]")
         if self.max_encoder_items_per_step < 1 or self.encoder_cache_tokens < 1:
             raise ValueError("encoder budgets must be >= 1")
+        if not 0 <= self.step_linger_seconds <= 1:
+            raise ValueError("step_linger_seconds must be in [0, 1]")

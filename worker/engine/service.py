@@ -7,6 +7,12 @@ Poison isolation: a step that raises fails no request outright, since it cannot 
 requests broke it. Every request then in flight is re-run alone, one after another, with new submissions held
 back meanwhile; the one that fails alone gets the exception, the others finish normally. One poison job costs
 its batch-mates a serial re-run, not their attempts.
+
+Linger: while jobs trickle in (each worker thread submits as soon as its job is claimed and prepared), an
+engine that steps on whatever has arrived runs many small steps, each costing its fixed per-step work. So
+while a request arrived within `step_linger_seconds` and the batch has room, the loop waits up to that long
+for the next before stepping. Measured on 2 CPU cores, 256 jobs posted to the service: on the tiny model 30-85%
+fewer steps and 1.1-1.3x the throughput, on the compute-bound small one no change (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from concurrent.futures import Future
 
@@ -34,6 +41,7 @@ class EngineService:
         self._suspects: deque[tuple[PreparedInput, Future[GenerationResult]]] = deque()
         self._held: deque[tuple[PreparedInput, Future[GenerationResult]]] = deque()
         self._isolating: str | None = None  # the request now running alone
+        self._last_arrival = float("-inf")  # monotonic time of the latest submission
         self._prepare_lock = threading.Lock()
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="vlmq-engine", daemon=True)
@@ -66,16 +74,17 @@ class EngineService:
         self._inbox.put(("close", None))
         self._thread.join(timeout)
 
-    def _drain(self, block: bool) -> bool:
-        """Apply queued commands; returns False once closed."""
+    def _drain(self, block: bool, timeout: float = 0.5) -> bool:
+        """Apply queued commands (waiting up to `timeout` for the first if `block`); returns False once closed."""
         try:
-            command, payload = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            command, payload = self._inbox.get(timeout=timeout) if block else self._inbox.get_nowait()
         except queue.Empty:
             return True
         while True:
             if command == "close":
                 return False
             if command == "add":
+                self._last_arrival = time.monotonic()
                 prepared, future = payload  # type: ignore[misc]
                 if future.set_running_or_notify_cancel():
                     if self._isolating is not None or self._suspects:
@@ -142,6 +151,11 @@ class EngineService:
             while self._held:
                 self._add(*self._held.popleft())
 
+    def _should_linger(self) -> bool:
+        linger = self.engine.config.step_linger_seconds
+        return (linger > 0 and self._isolating is None and len(self._futures) < self.engine.config.max_num_seqs
+                and time.monotonic() - self._last_arrival < linger)
+
     def _loop(self) -> None:
         while True:
             if not self._drain(block=not (self.engine.has_unfinished() or self._suspects or self._held)):
@@ -152,6 +166,8 @@ class EngineService:
                 self._next_alone()
             if not self.engine.has_unfinished():
                 continue
+            if self._should_linger() and not self._drain(block=True, timeout=self.engine.config.step_linger_seconds):
+                break
             try:
                 results = self.engine.step()
             except Exception as exc:

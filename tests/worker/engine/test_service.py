@@ -87,3 +87,45 @@ def test_a_poison_request_fails_alone_and_its_batch_mates_finish_unchanged(tiny_
         assert not engine.has_unfinished() and engine.block_manager.num_used_blocks == 0
     finally:
         svc.close()
+
+
+def _trickle(tiny_llava_path: Path, linger: float, gap: float) -> tuple[int, dict[str, list[int]]]:
+    """Requests submitted one every `gap` seconds: the engine's steps and the tokens."""
+    engine = Engine(load_model(str(tiny_llava_path)),
+                    EngineConfig(num_kv_blocks=256, block_size=8, step_linger_seconds=linger))
+    svc = EngineService(engine)
+    try:
+        futures = []
+        for request in make_requests(10, seed=41):
+            futures.append(svc.submit(svc.prepare(request)))
+            time.sleep(gap)
+        results = [f.result(timeout=120) for f in futures]
+        return engine.stats.num_steps, {r.request_id: r.token_ids for r in results}
+    finally:
+        svc.close()
+
+
+def test_linger_gathers_a_trickle_into_fewer_steps_with_the_same_tokens(tiny_llava_path: Path) -> None:
+    """Requests arriving slower than the engine steps: without the linger it steps on each one as it comes
+    (several decode steps between arrivals); with it, it waits for the next arrival while they keep coming."""
+    steps_at_once, tokens_at_once = _trickle(tiny_llava_path, 0.0, gap=0.02)
+    steps_lingering, tokens_lingering = _trickle(tiny_llava_path, 0.05, gap=0.02)
+    assert tokens_lingering == tokens_at_once
+    assert steps_lingering < steps_at_once, (steps_lingering, steps_at_once)
+
+
+def test_linger_does_not_hold_a_lone_request(tiny_llava_path: Path) -> None:
+    """Once nothing more arrives the engine steps at once: a lone request waits one linger at most, not one per
+    step (it would take 16 x 0.25 s here)."""
+    engine = Engine(load_model(str(tiny_llava_path)),
+                    EngineConfig(num_kv_blocks=256, block_size=8, step_linger_seconds=0.25))
+    svc = EngineService(engine)
+    try:
+        request = make_requests(1, seed=42)[0]
+        request = replace(request, sampling=replace(request.sampling, max_tokens=16))
+        started = time.monotonic()
+        result = svc.submit(svc.prepare(request)).result(timeout=60)
+        assert result.completion_tokens >= 12, result  # else the bound below would not tell
+        assert time.monotonic() - started < 2.0
+    finally:
+        svc.close()
