@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -24,17 +23,18 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+
+from service_stack import tree_cpu_seconds  # noqa: E402
 
 from tests.fault_stack import PostgresCluster, free_port, port_open, wait_for  # noqa: E402
 
-_TICKS = os.sysconf("SC_CLK_TCK")
 REQUEST = {"messages": [{"role": "user", "content": [{"type": "text", "text": "describe"}]}],
            "sampling": {"max_tokens": 32, "temperature": 0.0, "top_p": 1.0, "seed": None, "stop": []}}
 
 # Run in a child with the code under test first on sys.path: finalize one batch, print JSON.
 _CHILD = """
-import json, os, sys, time
+import json, sys, time
 sys.path.insert(0, sys.argv[1])
 from common.db import get_database
 from common.settings import Settings
@@ -46,11 +46,6 @@ wall, cpu = time.perf_counter(), time.process_time()
 status = finalize_batch(sys.argv[3], db, store)
 print(json.dumps({"status": status, "seconds": time.perf_counter() - wall, "cpu": time.process_time() - cpu}))
 """
-
-
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return sum(int(x) for x in fields[11:15]) / _TICKS
 
 
 def make_batch(settings_fields: dict[str, object], n_jobs: int) -> str:
@@ -120,12 +115,12 @@ def main() -> None:
                               "s3_endpoint_url": f"http://127.0.0.1:{port}", "s3_bucket": f"fin-{uuid.uuid4().hex[:8]}",
                               "s3_access_key_id": "testing", "s3_secret_access_key": "testing"}
                     batch_id = make_batch(fields, args.jobs)
-                    s3_before = _cpu_seconds(moto.pid)
+                    s3_before = tree_cpu_seconds(moto.pid)
                     out = subprocess.run([sys.executable, "-c", _CHILD, str(tree), json.dumps(fields), batch_id],
                                          capture_output=True, text=True, cwd=tree, check=True)
                     result = json.loads(out.stdout.strip().splitlines()[-1])
                     assert result["status"] == "completed", result
-                    result["s3_cpu"] = _cpu_seconds(moto.pid) - s3_before
+                    result["s3_cpu"] = tree_cpu_seconds(moto.pid) - s3_before
                     runs[tree].append(result)
                     print(f"  repeat {rep + 1}, {tree}: {result['seconds']:.2f} s, {result['cpu']:.2f} s CPU, "
                           f"S3 server {result['s3_cpu']:.2f} s CPU")
