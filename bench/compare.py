@@ -311,6 +311,8 @@ def main() -> None:
     parser.add_argument("--models", default="tiny,small")
     parser.add_argument("--systems", default="hf1,hfb,engine_torch,engine,service,vllm")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--service-threads", type=int, default=None,
+                        help="the service worker's engine threads (default: --threads)")
     parser.add_argument("--plot", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--profile", type=Path, default=None, help="py-spy the service's API and worker: prefix")
@@ -355,7 +357,7 @@ def main() -> None:
                             elif system in ("hf1", "hfb"):
                                 run = run_hf(loaded, jobs, system == "hfb")
                             elif system == "service":
-                                run = run_service(path, jobs, args.threads, work / f"svc-{name}-{kind}-{rep}",
+                                run = run_service(path, jobs, args.service_threads or args.threads, work / f"svc-{name}-{kind}-{rep}",
                                                   f"http://127.0.0.1:{port}", moto.pid,  # type: ignore[union-attr]
                                                   profile=args.profile and Path(f"{args.profile}-{name}-{kind}"),
                                                   profile_cpu=args.profile_cpu)

@@ -20,7 +20,7 @@ def normalize_url(url: str) -> str:
     return url
 
 
-def make_engine(url: str) -> Engine:
+def make_engine(url: str, *, pre_ping: bool = True, pool_size: int = 40) -> Engine:
     url = normalize_url(url)
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
@@ -52,14 +52,16 @@ def make_engine(url: str) -> Engine:
     # threads that use it (the API's thread pool runs up to 40) opened and closed a connection per request
     # under load: ~10% of the API's CPU and more of Postgres' (bench/ingest.py api, py-spy). Idle pooled
     # connections cost Postgres little; max_overflow still bounds a burst.
-    return create_engine(url, pool_pre_ping=True, pool_size=40, max_overflow=20)
+    return create_engine(url, pool_pre_ping=pre_ping, pool_size=pool_size, max_overflow=20)
 
 
 class Database:
-    """An engine plus a session factory; one per process and URL."""
+    """An engine plus a session factory; one per process and URL. `pre_ping=False` and a small pool are for a
+    single thread that retries its own transactions (worker/state_writer.py)."""
 
-    def __init__(self, url: str) -> None:
-        self.engine = make_engine(url)
+    def __init__(self, url: str, *, pre_ping: bool = True, pool_size: int = 40) -> None:
+        self.url = url
+        self.engine = make_engine(url, pre_ping=pre_ping, pool_size=pool_size)
         self.session_factory = sessionmaker(self.engine, expire_on_commit=False)
 
     @contextmanager

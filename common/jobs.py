@@ -15,10 +15,12 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Integer, String, and_, column, or_, select, update, values
+from sqlalchemy import Integer, String, and_, any_, bindparam, column, func, or_, select, update
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.orm import Session
+from sqlalchemy.sql.elements import BindParameter
 
-from common.models import DEFAULT_TENANT, Job, JobStatus, NulSafeText, new_id, utcnow
+from common.models import DEFAULT_TENANT, Job, JobStatus, NulSafeText, UTCDateTime, new_id, utcnow
 
 
 @dataclass(frozen=True)
@@ -72,7 +74,7 @@ def new_job(
     )
 
 
-def _claimable(now: datetime) -> Any:
+def _claimable(now: datetime | BindParameter[datetime]) -> Any:
     expired = and_(Job.status == JobStatus.RUNNING, Job.lease_until < now)
     return and_(or_(Job.status == JobStatus.QUEUED, expired), Job.attempts < Job.max_attempts)
 
@@ -109,6 +111,9 @@ def claim_many(session: Session, job_ids: list[str], worker_id: str, lease_secon
     if not job_ids:
         return {}
     now = utcnow()
+    if _is_postgres(session):
+        params = {"ids": job_ids, "worker": worker_id, "now": now, "until": now + timedelta(seconds=lease_seconds)}
+        return {job.id: job for job in session.scalars(_PG_CLAIM_MANY, params)}
     stmt = (
         update(Job)
         .where(Job.id.in_(job_ids), _claimable(now), ~_is_last_try())
@@ -117,6 +122,46 @@ def claim_many(session: Session, job_ids: list[str], worker_id: str, lease_secon
         .execution_options(synchronize_session=False, populate_existing=True)
     )
     return {job.id: job for job in session.scalars(stmt)}
+
+
+def _is_postgres(session: Session) -> bool:
+    return session.get_bind().dialect.name == "postgresql"
+
+
+# The grouped claim and finish on Postgres: built once, with every value a bound parameter (the ids and the
+# results as arrays), so the SQL is the same for any group size and SQLAlchemy compiles it once. An IN list or
+# a VALUES list is a new statement for each size and content; at the 1-4 jobs a worker's groups often hold,
+# building and compiling cost more CPU than the round trip (0.7 against 1.2 ms a claim, 0.7 against 1.6 ms a
+# finish, alone; 0.2 against 0.4-0.5 ms a job in groups of 4).
+_NOW = bindparam("now", type_=UTCDateTime())
+_PG_CLAIM_MANY = (
+    update(Job)
+    .where(Job.id == any_(bindparam("ids", type_=ARRAY(String))), _claimable(_NOW), ~_is_last_try())
+    .values(status=JobStatus.RUNNING, lease_owner=bindparam("worker", type_=String()),
+            lease_until=bindparam("until", type_=UTCDateTime()), attempts=Job.attempts + 1, started_at=_NOW)
+    .returning(Job)
+    .execution_options(synchronize_session=False, populate_existing=True)
+)
+# NulSafeText as on the column itself: a model may generate NUL, which Postgres text cannot hold.
+_RESULTS = func.unnest(
+    bindparam("ids", type_=ARRAY(String)), bindparam("keys", type_=ARRAY(String)),
+    bindparam("texts", type_=ARRAY(NulSafeText)), bindparam("reasons", type_=ARRAY(String)),
+    bindparam("prompt_tokens", type_=ARRAY(Integer)), bindparam("completion_tokens", type_=ARRAY(Integer)),
+).table_valued(
+    column("id", String), column("result_key", String), column("text", NulSafeText), column("finish_reason", String),
+    column("prompt_tokens", Integer), column("completion_tokens", Integer),
+).render_derived(name="results")
+_PG_FINISH_MANY = (
+    update(Job)
+    .where(Job.id == _RESULTS.c.id, Job.lease_owner == bindparam("worker", type_=String()),
+           Job.status == JobStatus.RUNNING)
+    .values(status=JobStatus.SUCCEEDED, finished_at=_NOW, lease_until=None, result_key=_RESULTS.c.result_key,
+            result_text=_RESULTS.c.text, finish_reason=_RESULTS.c.finish_reason,
+            prompt_tokens=_RESULTS.c.prompt_tokens, completion_tokens=_RESULTS.c.completion_tokens,
+            error_code=None, error_message=None)
+    .returning(Job.id)
+    .execution_options(synchronize_session=False)
+)
 
 
 def is_claimable_last_try(session: Session, job_id: str) -> bool:
@@ -176,38 +221,17 @@ def finish(session: Session, job_id: str, worker_id: str, result: JobResult) -> 
 
 def finish_many(session: Session, worker_id: str, results: dict[str, JobResult]) -> set[str]:
     """`finish` of several jobs: the ids it marked succeeded; the others this worker no longer held. On Postgres
-    one statement (an UPDATE joined to a VALUES list of the results); SQLite cannot name a VALUES list's
-    columns, so there it is one UPDATE per job (in the caller's one transaction all the same)."""
+    one statement (an UPDATE joined to the results unnested from arrays); on SQLite one UPDATE per job (in the
+    caller's one transaction all the same)."""
     if not results:
         return set()
-    if session.get_bind().dialect.name != "postgresql":
+    if not _is_postgres(session):
         return {job_id for job_id, result in results.items() if finish(session, job_id, worker_id, result)}
-    rows = values(
-        # NulSafeText as on the column itself: a model may generate NUL, which Postgres text cannot hold.
-        column("id", String), column("result_key", String), column("text", NulSafeText),
-        column("finish_reason", String),
-        column("prompt_tokens", Integer), column("completion_tokens", Integer), name="results",
-    ).data([(job_id, r.result_key, r.text, r.finish_reason, r.prompt_tokens, r.completion_tokens)
-            for job_id, r in results.items()])
-    stmt = (
-        update(Job)
-        .where(Job.id == rows.c.id, Job.lease_owner == worker_id, Job.status == JobStatus.RUNNING)
-        .values(
-            status=JobStatus.SUCCEEDED,
-            finished_at=utcnow(),
-            lease_until=None,
-            result_key=rows.c.result_key,
-            result_text=rows.c.text,
-            finish_reason=rows.c.finish_reason,
-            prompt_tokens=rows.c.prompt_tokens,
-            completion_tokens=rows.c.completion_tokens,
-            error_code=None,
-            error_message=None,
-        )
-        .returning(Job.id)
-        .execution_options(synchronize_session=False)
-    )
-    return set(session.scalars(stmt))
+    rows = list(results.values())
+    params = {"ids": list(results), "keys": [r.result_key for r in rows], "texts": [r.text for r in rows],
+              "reasons": [r.finish_reason for r in rows], "prompt_tokens": [r.prompt_tokens for r in rows],
+              "completion_tokens": [r.completion_tokens for r in rows], "worker": worker_id, "now": utcnow()}
+    return set(session.scalars(_PG_FINISH_MANY, params))
 
 
 def fail(session: Session, job_id: str, worker_id: str, code: str, message: str) -> bool:

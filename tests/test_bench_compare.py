@@ -52,3 +52,18 @@ def test_finalize_bench_runs_side_by_side(tmp_path: Path) -> None:
     rows = re.findall(r"^(\S+)\s+([\d.]+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)x", run.stdout, re.M)
     assert [Path(r[0]) for r in rows] == [ROOT, copy.resolve()], run.stdout
     assert all(int(r[2]) > 0 for r in rows), run.stdout
+
+
+def test_state_writes_bench_runs_side_by_side(tmp_path: Path) -> None:
+    """bench/state_writes.py in its smallest size, against a second copy of the code: both trees claim and
+    finish every job of every group size (the child asserts each answer) and report CPU per job."""
+    copy = tmp_path / "code"
+    for part in ("api", "common", "worker"):
+        shutil.copytree(ROOT / part, copy / part, ignore=shutil.ignore_patterns("__pycache__"))
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "state_writes.py"), "--jobs", "24", "--groups", "1,8",
+                          "--repeats", "1", "--code", str(copy)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = re.findall(r"^(\S+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)x$", run.stdout, re.M)
+    assert [(r[0][-12:], int(r[1])) for r in rows] == [
+        (str(tree)[-12:], size) for size in (1, 8) for tree in (ROOT, copy.resolve())], run.stdout
+    assert all(float(r[2]) > 0 for r in rows), run.stdout  # Postgres counts in 10 ms ticks: may read 0 here

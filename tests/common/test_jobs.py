@@ -6,7 +6,8 @@ import threading
 import time
 from datetime import timedelta
 
-from sqlalchemy import update
+import pytest
+from sqlalchemy import event, update
 
 from common import jobs
 from common.db import Database
@@ -205,3 +206,23 @@ def test_finish_many_stores_text_with_nul_in_one_statement(db: Database) -> None
     assert finished == set(ids)
     for job_id, text in texts.items():
         assert _get(db, job_id).result_text == text
+
+
+def test_grouped_claim_and_finish_send_the_same_sql_for_any_group_size(db: Database) -> None:
+    """On Postgres the ids and results travel as arrays, so SQLAlchemy compiles each statement once; an IN or
+    VALUES list was a new statement, built and compiled again, for every group size."""
+    if db.engine.dialect.name != "postgresql":
+        pytest.skip("SQLite claims with IN and finishes job by job")
+    sent: list[str] = []
+    event.listen(db.engine, "before_cursor_execute", lambda *args: sent.append(args[2]))
+    for size in (1, 3, 7):
+        ids = [_new_job(db) for _ in range(size)]
+        sent.clear()
+        with db.session() as s:
+            assert set(jobs.claim_many(s, ids, "w1", 60)) == set(ids)
+            assert jobs.finish_many(s, "w1", {i: jobs.JobResult(f"r/{i}", "t", "stop", 1, 1) for i in ids}) == set(ids)
+        statements = [sql for sql in sent if sql.startswith("UPDATE")]
+        assert len(statements) == 2
+        if size == 1:
+            first = statements
+        assert statements == first

@@ -135,3 +135,25 @@ def test_claims_asked_within_the_linger_share_one_transaction(db: Database) -> N
         assert lone.num_transactions == 3
     finally:
         lone.close()
+
+
+def test_writer_outlives_its_postgres_connection(db: Database) -> None:  # noqa: F811
+    """Its own connection has no pool ping: when Postgres drops it, the group in flight is written again on a
+    new one and its callers never see the error."""
+    if db.engine.dialect.name != "postgresql":
+        pytest.skip("Postgres only: SQLite has no server connection to lose")
+    from sqlalchemy import text
+
+    w = StateWriter(db, "w1", lease_seconds=60)
+    try:
+        first, second = _new_job(db), _new_job(db)
+        assert w.claim(first) is not None
+        with db.session() as s:  # every other backend of this database: the writer's among them
+            killed = s.execute(text("SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                                    " WHERE datname = current_database() AND pid <> pg_backend_pid()) AS t")).scalar()
+        assert killed >= 1
+        assert w.claim(second) is not None
+        assert w.finish(first, jobs.JobResult("r/1", "one", "stop", 1, 1)) is True
+        assert _get(db, first).status == JobStatus.SUCCEEDED and _get(db, second).status == JobStatus.RUNNING
+    finally:
+        w.close()
