@@ -357,7 +357,8 @@ def main() -> None:
                             elif system in ("hf1", "hfb"):
                                 run = run_hf(loaded, jobs, system == "hfb")
                             elif system == "service":
-                                run = run_service(path, jobs, args.service_threads or args.threads, work / f"svc-{name}-{kind}-{rep}",
+                                run = run_service(path, jobs, args.service_threads or args.threads,
+                                                  work / f"svc-{name}-{kind}-{rep}",
                                                   f"http://127.0.0.1:{port}", moto.pid,  # type: ignore[union-attr]
                                                   profile=args.profile and Path(f"{args.profile}-{name}-{kind}"),
                                                   profile_cpu=args.profile_cpu)

@@ -78,6 +78,11 @@ class Settings(BaseSettings):
     engine_process: bool = Field(
         default=True, description="Run the paged engine in a child process, so that its Python does not share a "
         "GIL with the worker's per-job work (delivery, SQL, S3, prompt encoding).")
+    engine_nice: int = Field(
+        default=5, ge=0, le=19,
+        description="Niceness added to the engine process: where it shares CPUs with the per-job work that feeds "
+                    "it (the worker's threads, the API, Postgres), that work goes first and the engine steps on "
+                    "fuller batches; it still gets every CPU left idle. 0: the same priority.")
 
     # Input limits.
     max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)

@@ -97,7 +97,8 @@ def engine_process(settings: Settings) -> Generator | None:
             return None  # make_backend says why, once it has loaded the model
     spec = EngineSpec(model=settings.model, device=settings.device, dtype=settings.dtype,
                       config=engine_config(settings), log_format=settings.log_format,
-                      log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()))
+                      log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()),
+                      nice=settings.engine_nice)
     return EngineProcess(spec, front=front)
 
 

@@ -17,6 +17,7 @@ def test_the_default_is_the_engine_in_a_child_process(tiny_llava_path: Path) -> 
     try:
         assert isinstance(generator, EngineProcess)
         assert generator.spec.config.num_kv_blocks == 64 and generator.spec.log_format == "json"
+        assert generator.spec.nice == settings.engine_nice == 5  # below the threads that feed it
     finally:
         generator.close()  # type: ignore[union-attr]
 

@@ -52,6 +52,7 @@ class EngineSpec:
     config: EngineConfig
     log_format: str = "text"
     log_level: str = "INFO"
+    nice: int = 0  # added to the child's niceness (settings.engine_nice)
 
 
 class EngineDied(RuntimeError):

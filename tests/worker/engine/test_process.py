@@ -165,3 +165,22 @@ def test_submit_after_close_is_refused_and_the_child_is_gone(tiny_llava_path: Pa
     assert child.poll() is not None
     with pytest.raises(RuntimeError, match="closed"):
         process.submit(process.prepare(make_requests(1, seed=48)[0]))
+
+
+def _niceness(pid: int, tid: int) -> int:
+    return int(Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()[16])
+
+
+def test_child_runs_below_its_parent_by_the_spec_nice(tiny_llava_path: Path) -> None:
+    """Every thread of the engine process (its OpenMP pool included, made after the nice) yields to the
+    worker's threads that feed it; the worker itself keeps its own priority."""
+    process = EngineProcess(replace(spec_for(tiny_llava_path), nice=5))
+    try:
+        process.submit(process.prepare(make_requests(1, seed=47)[0])).result(timeout=60)
+        threads = [int(tid) for tid in os.listdir(f"/proc/{process.pid}/task")]
+        mine = _niceness(os.getpid(), os.getpid())
+        assert len(threads) > 1
+        assert {_niceness(process.pid, tid) for tid in threads} == {min(mine + 5, 19)}
+    finally:
+        process.close()
+    assert _niceness(os.getpid(), os.getpid()) == mine
