@@ -83,9 +83,22 @@ def _is_last_try() -> Any:
     return and_(Job.max_attempts > 1, Job.attempts + 1 >= Job.max_attempts)
 
 
-def _claimed_values(worker_id: str, lease_seconds: float, now: datetime) -> dict[str, Any]:
-    return {"status": JobStatus.RUNNING, "lease_owner": worker_id,
-            "lease_until": now + timedelta(seconds=lease_seconds), "attempts": Job.attempts + 1, "started_at": now}
+def _held_by(job_id: Any, worker_id: Any) -> Any:
+    return and_(Job.id == job_id, Job.lease_owner == worker_id, Job.status == JobStatus.RUNNING)
+
+
+def _claimed_values(worker_id: Any, until: Any, now: Any) -> dict[str, Any]:
+    """The columns a claim sets: plain values, or bound parameters in the prebuilt Postgres statement."""
+    return {"status": JobStatus.RUNNING, "lease_owner": worker_id, "lease_until": until,
+            "attempts": Job.attempts + 1, "started_at": now}
+
+
+def _succeeded_values(now: Any, result_key: Any, text: Any, finish_reason: Any, prompt_tokens: Any,
+                      completion_tokens: Any) -> dict[str, Any]:
+    """The columns a finish sets: plain values, or the unnested results' columns on Postgres."""
+    return {"status": JobStatus.SUCCEEDED, "finished_at": now, "lease_until": None, "result_key": result_key,
+            "result_text": text, "finish_reason": finish_reason, "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens, "error_code": None, "error_message": None}
 
 
 def claim(session: Session, job_id: str, worker_id: str, lease_seconds: float, *,
@@ -99,7 +112,7 @@ def claim(session: Session, job_id: str, worker_id: str, lease_seconds: float, *
     stmt = (
         update(Job)
         .where(Job.id == job_id, condition)
-        .values(**_claimed_values(worker_id, lease_seconds, now))
+        .values(**_claimed_values(worker_id, now + timedelta(seconds=lease_seconds), now))
         .returning(Job)  # one round trip: the claimed row comes back with the UPDATE
         .execution_options(synchronize_session=False, populate_existing=True)
     )
@@ -117,7 +130,7 @@ def claim_many(session: Session, job_ids: list[str], worker_id: str, lease_secon
     stmt = (
         update(Job)
         .where(Job.id.in_(job_ids), _claimable(now), ~_is_last_try())
-        .values(**_claimed_values(worker_id, lease_seconds, now))
+        .values(**_claimed_values(worker_id, now + timedelta(seconds=lease_seconds), now))
         .returning(Job)
         .execution_options(synchronize_session=False, populate_existing=True)
     )
@@ -137,8 +150,7 @@ _NOW = bindparam("now", type_=UTCDateTime())
 _PG_CLAIM_MANY = (
     update(Job)
     .where(Job.id == any_(bindparam("ids", type_=ARRAY(String))), _claimable(_NOW), ~_is_last_try())
-    .values(status=JobStatus.RUNNING, lease_owner=bindparam("worker", type_=String()),
-            lease_until=bindparam("until", type_=UTCDateTime()), attempts=Job.attempts + 1, started_at=_NOW)
+    .values(**_claimed_values(bindparam("worker", type_=String()), bindparam("until", type_=UTCDateTime()), _NOW))
     .returning(Job)
     .execution_options(synchronize_session=False, populate_existing=True)
 )
@@ -153,12 +165,9 @@ _RESULTS = func.unnest(
 ).render_derived(name="results")
 _PG_FINISH_MANY = (
     update(Job)
-    .where(Job.id == _RESULTS.c.id, Job.lease_owner == bindparam("worker", type_=String()),
-           Job.status == JobStatus.RUNNING)
-    .values(status=JobStatus.SUCCEEDED, finished_at=_NOW, lease_until=None, result_key=_RESULTS.c.result_key,
-            result_text=_RESULTS.c.text, finish_reason=_RESULTS.c.finish_reason,
-            prompt_tokens=_RESULTS.c.prompt_tokens, completion_tokens=_RESULTS.c.completion_tokens,
-            error_code=None, error_message=None)
+    .where(_held_by(_RESULTS.c.id, bindparam("worker", type_=String())))
+    .values(**_succeeded_values(_NOW, _RESULTS.c.result_key, _RESULTS.c.text, _RESULTS.c.finish_reason,
+                                _RESULTS.c.prompt_tokens, _RESULTS.c.completion_tokens))
     .returning(Job.id)
     .execution_options(synchronize_session=False)
 )
@@ -193,27 +202,13 @@ def held_by(session: Session, job_ids: list[str], worker_id: str) -> set[str]:
     return set(rows)
 
 
-def _held_by(job_id: str, worker_id: str) -> Any:
-    return and_(Job.id == job_id, Job.lease_owner == worker_id, Job.status == JobStatus.RUNNING)
-
-
 def finish(session: Session, job_id: str, worker_id: str, result: JobResult) -> bool:
     """Mark succeeded; refused (False) if the worker lost its lease or the job was cancelled."""
     stmt = (
         update(Job)
         .where(_held_by(job_id, worker_id))
-        .values(
-            status=JobStatus.SUCCEEDED,
-            finished_at=utcnow(),
-            lease_until=None,
-            result_key=result.result_key,
-            result_text=result.text,
-            finish_reason=result.finish_reason,
-            prompt_tokens=result.prompt_tokens,
-            completion_tokens=result.completion_tokens,
-            error_code=None,
-            error_message=None,
-        )
+        .values(**_succeeded_values(utcnow(), result.result_key, result.text, result.finish_reason,
+                                    result.prompt_tokens, result.completion_tokens))
         .execution_options(synchronize_session=False)
     )
     return session.execute(stmt).rowcount == 1
