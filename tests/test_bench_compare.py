@@ -41,11 +41,17 @@ def test_service_run_agrees_with_the_engine_and_accounts_cpu(tmp_path: Path) -> 
     assert "logged" not in run.stdout, run.stdout  # no part warned or failed on the way
 
 
-def test_finalize_bench_runs_side_by_side(tmp_path: Path) -> None:
-    """bench/finalize.py in its smallest size, against a second copy of the code: both finalize the batch."""
+def _code_copy(tmp_path: Path) -> Path:
+    """A second copy of the code, as a bench's `--code DIR` takes it."""
     copy = tmp_path / "code"
     for part in ("api", "common", "worker"):
         shutil.copytree(ROOT / part, copy / part, ignore=shutil.ignore_patterns("__pycache__"))
+    return copy
+
+
+def test_finalize_bench_runs_side_by_side(tmp_path: Path) -> None:
+    """bench/finalize.py in its smallest size, against a second copy of the code: both finalize the batch."""
+    copy = _code_copy(tmp_path)
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "finalize.py"), "--jobs", "40", "--repeats", "1",
                           "--code", str(copy)], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -57,9 +63,7 @@ def test_finalize_bench_runs_side_by_side(tmp_path: Path) -> None:
 def test_state_writes_bench_runs_side_by_side(tmp_path: Path) -> None:
     """bench/state_writes.py in its smallest size, against a second copy of the code: both trees claim and
     finish every job of every group size (the child asserts each answer) and report CPU per job."""
-    copy = tmp_path / "code"
-    for part in ("api", "common", "worker"):
-        shutil.copytree(ROOT / part, copy / part, ignore=shutil.ignore_patterns("__pycache__"))
+    copy = _code_copy(tmp_path)
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "state_writes.py"), "--jobs", "24", "--groups", "1,8",
                           "--repeats", "1", "--code", str(copy)], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
