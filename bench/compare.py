@@ -8,8 +8,9 @@ Systems: (hf1) HF `generate` one job at a time, (hfb) HF padded batched `generat
 (engine) the vlmq engine alone, (engine_torch) the same without its CPU fast paths (C++ decode attention,
 oneDNN-packed linears), (service) vlmq as a user meets it: POST /v1/jobs over HTTP -> Postgres -> Redis ->
 `vlmq worker` -> S3 + SQL, polled until every job succeeded (bench/service_stack.py: each service its own
-process, with its own redis-server, Postgres cluster and the S3 server), (vllm) vLLM's offline
-`LLM.generate` (bench/peers).
+process, with its own redis-server, Postgres cluster and the S3 server), (service_batch) the same stack fed
+through the OpenAI Batch API instead: one JSONL upload, until the batch completed and its output file was
+written (bench/service_submit.py), (vllm) vLLM's offline `LLM.generate` (bench/peers).
 Workloads: each model with one image per job, and the same prompts text-only, so the image tax shows: the
 extra wall time of the image jobs over the text jobs, against a batched vision forward of the same images
 alone. The machine: the fp32 GEMM peak measured in this run, the FLOPs each workload needs (vision, prefill,
@@ -110,15 +111,14 @@ def _data_url(image: Image.Image) -> str:
 
 
 def run_service(path: Path, jobs: list[GenerationRequest], threads: int, work: Path, s3_endpoint: str,
-                s3_pid: int, connections: int = 8, profile: Path | None = None, profile_cpu: bool = False) -> Run:
-    """Timed from the first POST to the last job seen succeeded in SQL; the jobs are posted over
-    `connections` keep-alive connections at once, as a client with many jobs would. Prints the CPU each
-    part of the stack spent per job in that time. With `profile`, py-spy samples the API and the worker
-    meanwhile, in whichever thread holds the GIL (collapsed stacks, `<profile>.<part>.txt`); with
-    `profile_cpu`, every thread that is on a CPU instead, the worker's engine process included."""
-    from concurrent.futures import ThreadPoolExecutor
-
+                s3_pid: int, batch: bool = False, profile: Path | None = None, profile_cpu: bool = False) -> Run:
+    """Timed from the first byte sent to done (bench/service_submit.py: each job POSTed, or with `batch` one
+    Batch API file, until every job succeeded, or the batch completed). Prints the CPU each part of the stack
+    spent per job in that time. With `profile`, py-spy samples the API and the worker meanwhile, in whichever
+    thread holds the GIL (collapsed stacks, `<profile>.<part>.txt`); with `profile_cpu`, every thread that is
+    on a CPU instead, the worker's engine process included."""
     from service_stack import ServiceStack
+    from service_submit import BatchSubmission, JobSubmission
     from sqlalchemy import create_engine, text
 
     stack = ServiceStack(work, s3_endpoint, path, device="cpu", dtype="float32", kv_num_blocks=8192,
@@ -131,18 +131,12 @@ def run_service(path: Path, jobs: list[GenerationRequest], threads: int, work: P
                         if p["type"] == "image" else p) for p in job.messages[0]["content"]]
             bodies.append({"messages": [{"role": "user", "content": content}],
                            "max_tokens": job.sampling.max_tokens})
-        clients = [stack.client() for _ in range(connections)]
+        custom_ids = [job.request_id for job in jobs]
+        submission = (BatchSubmission if batch else JobSubmission)(stack, bodies, custom_ids)
         sql = create_engine(stack.postgres.url)
-        count = text("SELECT count(*) FROM jobs WHERE status = 'succeeded'")
-
-        def post(i: int) -> str:
-            response = clients[i % connections].post("/v1/jobs", json=bodies[i])
-            assert response.status_code == 202, response.text
-            return str(response.json()["id"])
-
         commits = text("SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = current_database()")
-        with sql.connect() as conn, ThreadPoolExecutor(connections) as pool:
-            conn.execute(count)
+        with sql.connect() as conn:
+            conn.execute(commits)
             time.sleep(1.5)  # let start-up's statistics reach pg_stat_database before the first reading
             transactions_before = conn.execute(commits).scalar_one()
             conn.commit()
@@ -156,8 +150,8 @@ def run_service(path: Path, jobs: list[GenerationRequest], threads: int, work: P
             metrics_before = stack.worker_metrics()
             cpu_before, client_before = stack.cpu_seconds(s3_pid), os.times()
             start = time.perf_counter()
-            ids = list(pool.map(post, range(len(bodies))))
-            while conn.execute(count).scalar_one() < len(ids):
+            submission.submit()
+            while not submission.done(conn):
                 conn.commit()
                 time.sleep(0.02)
             seconds = time.perf_counter() - start
@@ -180,27 +174,25 @@ def run_service(path: Path, jobs: list[GenerationRequest], threads: int, work: P
                  for name in ("vlmq_engine_steps_total", "vlmq_engine_vision_batch_size_count",
                               "vlmq_engine_vision_batch_size_sum")}
         vision = delta["vlmq_engine_vision_batch_size_count"]
-        print(f"  service engine: {delta['vlmq_engine_steps_total']:.0f} steps"
+        print(f"  {submission.system} engine: {delta['vlmq_engine_steps_total']:.0f} steps"
               + (f", {vision:.0f} vision batches of {delta['vlmq_engine_vision_batch_size_sum'] / vision:.1f} images"
                  if vision else ""))
         spent = {name: cpu_after[name] - cpu_before[name] for name in cpu_before}
         spent["client"] = (client_after.user + client_after.system) - (client_before.user + client_before.system)
-        print("  service CPU per job (ms): " + ", ".join(f"{name} {1000 * s / len(jobs):.1f}"
+        print(f"  {submission.system} CPU per job (ms): " + ", ".join(f"{name} {1000 * s / len(jobs):.1f}"
                                                           for name, s in spent.items())
               + f"; total {sum(spent.values()):.2f}s of CPU in {seconds:.2f}s wall; "
               + f"{transactions / len(jobs):.1f} Postgres transactions per job")
-        print("  service timeline (s after the first job was written): last written {:.2f}, claimed {:.2f}-{:.2f},"
-              " finished {:.2f}-{:.2f}".format(*(float(x) for x in spans)))
-        texts = {job.request_id: clients[0].get(f"/v1/jobs/{job_id}").json()["result"]["text"]
-                 for job, job_id in zip(jobs, ids, strict=True)}
-        for c in clients:
-            c.close()
+        print(f"  {submission.system} timeline (s after the first job was written): "
+              + "last written {:.2f}, claimed {:.2f}-{:.2f}, finished {:.2f}-{:.2f}".format(*(float(x) for x in spans)))
+        texts = submission.texts()
+        submission.close()
         for part in stack.processes:  # a fast run that logged trouble on the way is not a clean run
             problems = Counter(re.sub(r"\d+", "N", line)[:160] for line in stack.log(part).splitlines()
                                if re.search(r"\b(WARNING|ERROR|CRITICAL)\b", line))
             for line, n in problems.most_common(5):
                 print(f"  {part} logged {n}x: {line}")
-        return Run("service", seconds, texts)  # type: ignore[arg-type]
+        return Run(submission.system, seconds, texts)  # type: ignore[arg-type]
     except Exception:
         for name in stack.processes:
             print(f"--- {name} log tail ---\n{stack.log(name)[-2000:]}")
@@ -330,7 +322,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         moto = None
-        if "service" in systems:
+        if {"service", "service_batch"} & set(systems):
             from tests.fault_stack import free_port, port_open, wait_for
 
             port = free_port()
@@ -356,10 +348,11 @@ def main() -> None:
                                 run = run_engine(path, jobs, cpu_paths=False)[0]
                             elif system in ("hf1", "hfb"):
                                 run = run_hf(loaded, jobs, system == "hfb")
-                            elif system == "service":
+                            elif system in ("service", "service_batch"):
                                 run = run_service(path, jobs, args.service_threads or args.threads,
                                                   work / f"svc-{name}-{kind}-{rep}",
                                                   f"http://127.0.0.1:{port}", moto.pid,  # type: ignore[union-attr]
+                                                  batch=system == "service_batch",
                                                   profile=args.profile and Path(f"{args.profile}-{name}-{kind}"),
                                                   profile_cpu=args.profile_cpu)
                             elif system == "vllm":
