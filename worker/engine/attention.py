@@ -7,8 +7,9 @@ masks) is built once per step and shared by every layer.
 
 CPU backend: decodes (one query each) are attended straight from the pool by a C++ kernel
 (worker/engine/cpu_kernels.py) when it is built; otherwise they are gathered into one padded batch and attended
-in one torch SDPA call. Fresh prompts (no cached context) of similar lengths are padded into one SDPA call
-per group; prefill chunks that continue a context are attended one request at a time.
+in one torch SDPA call. Prompts of similar lengths are padded into one SDPA call per group: fresh ones (no
+cached context) attend their new keys directly, those that continue a context (a prefix-cache hit, a chunk of
+a long prompt) attend their whole blocks, gathered from the pool. Longer ones are attended one at a time.
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 ATTN_IMPLEMENTATION = "vlmq_paged"
-# Fresh prompts up to this long are grouped by length (powers of two) into padded SDPA calls: per-prompt calls
-# cost ~0.3 ms each in dispatch alone, while padding wastes at most 4x the attention FLOPs of short prompts.
-# Longer prompts, where those FLOPs matter, keep a call of their own.
+# Prompts up to this long (new tokens for fresh ones, context + new tokens for the others) are grouped by
+# length (powers of two) into padded SDPA calls: per-prompt calls cost ~0.3 ms each in dispatch alone, while
+# padding wastes at most 4x the attention FLOPs of short prompts. Longer prompts, where those FLOPs matter,
+# keep a call of their own.
 GROUP_MAX_LEN = 256
 
 
@@ -46,6 +48,17 @@ class PrefillGroup:
 
 
 @dataclass
+class ContextGroup:
+    """Prompts that continue a cached context, of similar total lengths, attended in one padded SDPA call over
+    their blocks (the new keys are in the pool by then)."""
+    index: torch.Tensor        # [n, Lq] packed-batch positions of each prompt's new tokens; padding repeats its last
+    blocks: torch.Tensor       # [n, W] block tables, padded with block 0
+    mask: torch.Tensor         # [n, 1, Lq, W * block_size] bool: query j sees keys 0..context + j of its own
+    valid: torch.Tensor        # [n * Lq] bool, True for the rows of real tokens
+    rows: torch.Tensor         # packed-batch positions of the real rows, in the order `valid` selects them
+
+
+@dataclass
 class DecodeBatch:
     query_index: torch.Tensor  # [B] positions in the packed batch of the decode tokens
     blocks: torch.Tensor       # [B, max_blocks] block tables, padded with block 0
@@ -61,6 +74,7 @@ class AttentionMetadata:
     decodes: DecodeBatch | None
     num_tokens: int
     prefill_groups: list[PrefillGroup]
+    context_groups: list[ContextGroup]
     # (q [B, heads, dim], k pool, v pool, block tables, seq lens, scale) -> [B, heads, dim]; None: gather + SDPA
     decode_kernel: Callable[..., torch.Tensor] | None = None
 
@@ -97,6 +111,12 @@ def build_metadata(
     groups = [_prefill_group(members, query, query_start, device) for members in buckets.values()
               if len(members) > 1]
     grouped = {i for members in buckets.values() if len(members) > 1 for i in members}
+    continued: dict[int, list[int]] = {}
+    for i in torch.nonzero((context > 0) & ~is_decode & (total <= GROUP_MAX_LEN)).flatten().tolist():
+        continued.setdefault(max(16, 1 << (int(total[i]) - 1).bit_length()), []).append(i)
+    context_groups = [_context_group(members, context, query, query_start, num_blocks, table, block_size, device)
+                      for members in continued.values() if len(members) > 1]
+    grouped |= {i for members in continued.values() if len(members) > 1 for i in members}
     prefills = []
     for i in torch.nonzero(~is_decode).flatten().tolist():
         if i in grouped:
@@ -116,7 +136,7 @@ def build_metadata(
         decodes = DecodeBatch(query_start[decode_rows].to(device), table[decode_rows, :dec_width].to(device),
                               keys[:, None, None, :].to(device), total[decode_rows].to(device))
     return AttentionMetadata(kv_caches, slot_mapping.to(device), prefills, decodes, num_tokens, groups,
-                             decode_kernel)
+                             context_groups, decode_kernel)
 
 
 def _prefill_group(members: list[int], query: torch.Tensor, query_start: torch.Tensor,
@@ -129,6 +149,23 @@ def _prefill_group(members: list[int], query: torch.Tensor, query_start: torch.T
     causal = steps.unsqueeze(0) <= steps.unsqueeze(1)  # [L, L]: query row i sees keys 0..i
     mask = causal.unsqueeze(0) & valid.unsqueeze(1)  # and only its own prompt's tokens
     return PrefillGroup(index.to(device), mask.unsqueeze(1).to(device), valid.flatten().to(device),
+                        index[valid].to(device))
+
+
+def _context_group(members: list[int], context: torch.Tensor, query: torch.Tensor, query_start: torch.Tensor,
+                   num_blocks: torch.Tensor, table: torch.Tensor, block_size: int,
+                   device: torch.device) -> ContextGroup:
+    lengths, ctx = query[members], context[members]
+    width = int(lengths.max())
+    steps = torch.arange(width)
+    valid = steps.unsqueeze(0) < lengths.unsqueeze(1)  # [n, Lq]
+    last = torch.minimum(steps.unsqueeze(0), lengths.unsqueeze(1) - 1)  # padding repeats the last query
+    index = query_start[members].unsqueeze(1) + last
+    blocks = table[members, : int(num_blocks[members].max())]
+    keys = torch.arange(blocks.shape[1] * block_size)
+    # Query j of a prompt sits at absolute position context + j and sees keys 0..context + j, all its own.
+    mask = keys.view(1, 1, -1) <= (ctx.unsqueeze(1) + last).unsqueeze(2)  # [n, Lq, Lk]
+    return ContextGroup(index.to(device), blocks.to(device), mask.unsqueeze(1).to(device), valid.flatten().to(device),
                         index[valid].to(device))
 
 
@@ -163,6 +200,15 @@ def paged_attention(
         o = F.scaled_dot_product_attention(q_grp, k_grp, v_grp, attn_mask=group.mask, scale=scaling,
                                            enable_gqa=gqa)
         out[group.rows] = o.transpose(1, 2).reshape(n * width, q.shape[0], dim)[group.valid]
+    for cgroup in meta.context_groups:
+        n, width = cgroup.index.shape
+        q_grp = q[:, cgroup.index.flatten()].view(q.shape[0], n, width, dim).transpose(0, 1)  # [n, heads, Lq, dim]
+        flat = cgroup.blocks.flatten()
+        k_grp = k_cache.index_select(0, flat).view(n, -1, kv_heads, dim).transpose(1, 2)  # [n, kv, Lk, dim]
+        v_grp = v_cache.index_select(0, flat).view(n, -1, kv_heads, dim).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q_grp, k_grp, v_grp, attn_mask=cgroup.mask, scale=scaling,
+                                           enable_gqa=gqa)
+        out[cgroup.rows] = o.transpose(1, 2).reshape(n * width, q.shape[0], dim)[cgroup.valid]
     for seq in meta.prefills:
         q_seq = q[:, seq.query_start : seq.query_start + seq.query_len]
         # Whole blocks are gathered (one index per block, not per token), then cut to the sequence's length.
