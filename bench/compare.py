@@ -63,8 +63,10 @@ class Run:
     tokens: dict[str, list[int]] = field(default_factory=dict)  # job id -> generated ids (or text for service)
 
 
-def make_jobs(n: int, with_image: bool, max_tokens: int, seed: int = 0, prefix: str = "job") -> list[GenerationRequest]:
-    """Same prompts with or without their image (the image tax compares the two)."""
+def make_jobs(n: int, with_image: bool, max_tokens: int, seed: int = 0, prefix: str = "job",
+              system: str = "") -> list[GenerationRequest]:
+    """Same prompts with or without their image (the image tax compares the two); with `system`, every job
+    starts with that system prompt, as a dataset's rows often share one instruction."""
     rng = random.Random(seed)
     jobs = []
     for i in range(n):
@@ -76,8 +78,11 @@ def make_jobs(n: int, with_image: bool, max_tokens: int, seed: int = 0, prefix: 
         content: list[dict[str, Any]] = [{"type": "text", "text": words}]
         if with_image:
             content.insert(0, {"type": "image"})
-        jobs.append(GenerationRequest(f"{prefix}-{i}", [{"role": "user", "content": content}],
-                                      [image] if with_image else [], SamplingParams(max_tokens=max_tokens)))
+        messages = [{"role": "user", "content": content}]
+        if system:
+            messages.insert(0, {"role": "system", "content": [{"type": "text", "text": system}]})
+        jobs.append(GenerationRequest(f"{prefix}-{i}", messages, [image] if with_image else [],
+                                      SamplingParams(max_tokens=max_tokens)))
     return jobs
 
 
@@ -127,10 +132,10 @@ def run_service(path: Path, jobs: list[GenerationRequest], threads: int, work: P
         stack.start(worker_concurrency=256, worker_threads=threads)
         bodies = []
         for job in jobs:
-            content = [({"type": "image_url", "image_url": {"url": _data_url(job.images[0])}}
-                        if p["type"] == "image" else p) for p in job.messages[0]["content"]]
-            bodies.append({"messages": [{"role": "user", "content": content}],
-                           "max_tokens": job.sampling.max_tokens})
+            image = {"type": "image_url", "image_url": {"url": _data_url(job.images[0])}} if job.images else None
+            messages = [{"role": m["role"], "content": [image if p["type"] == "image" else p for p in m["content"]]}
+                        for m in job.messages]
+            bodies.append({"messages": messages, "max_tokens": job.sampling.max_tokens})
         custom_ids = [job.request_id for job in jobs]
         submission = (BatchSubmission if batch else JobSubmission)(stack, bodies, custom_ids)
         sql = create_engine(stack.postgres.url)
@@ -302,6 +307,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--models", default="tiny,small")
     parser.add_argument("--systems", default="hf1,hfb,engine_torch,engine,service,vllm")
+    parser.add_argument("--system-prompt", default="", help="a system prompt every job starts with")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--service-threads", type=int, default=None,
                         help="the service worker's engine threads (default: --threads)")
@@ -335,7 +341,7 @@ def main() -> None:
                 loaded = load_model(str(path))
                 seconds_by: dict[tuple[str, str], float] = {}
                 for kind in ("image", "text"):
-                    jobs = make_jobs(args.jobs, kind == "image", args.max_tokens)
+                    jobs = make_jobs(args.jobs, kind == "image", args.max_tokens, system=args.system_prompt)
                     first_engine, prompt_tokens, generated = run_engine(path, jobs)
                     flops = workload_flops(loaded, prompt_tokens, generated, args.jobs if kind == "image" else 0)
                     repeats: dict[str, list[Run]] = {}

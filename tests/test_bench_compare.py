@@ -16,10 +16,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_service_runs_agree_with_the_engine_and_account_cpu(tmp_path: Path) -> None:
     """Both ways in: each job POSTed (service), and one Batch API file (service_batch), whose texts come back
-    from the batch's output file."""
+    from the batch's output file; every job starts with the same system prompt."""
     out = tmp_path / "compare.json"
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "compare.py"), "--jobs", "6", "--models", "tiny",
-                          "--systems", "engine,service,service_batch", "--max-tokens", "6", "--json", str(out)],
+                          "--systems", "engine,service,service_batch", "--max-tokens", "6", "--json", str(out),
+                          "--system-prompt", "You label images. Answer in one short sentence."],
                          capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
