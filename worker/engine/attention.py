@@ -105,18 +105,12 @@ def build_metadata(
     slot_mapping = table[seq_of_token, position // block_size] * block_size + position % block_size
 
     is_decode = (query == 1) & (context > 0)
-    buckets: dict[int, list[int]] = {}
-    for i in torch.nonzero((context == 0) & (query > 1) & (query <= GROUP_MAX_LEN)).flatten().tolist():
-        buckets.setdefault(max(16, 1 << (int(query[i]) - 1).bit_length()), []).append(i)
-    groups = [_prefill_group(members, query, query_start, device) for members in buckets.values()
-              if len(members) > 1]
-    grouped = {i for members in buckets.values() if len(members) > 1 for i in members}
-    continued: dict[int, list[int]] = {}
-    for i in torch.nonzero((context > 0) & ~is_decode & (total <= GROUP_MAX_LEN)).flatten().tolist():
-        continued.setdefault(max(16, 1 << (int(total[i]) - 1).bit_length()), []).append(i)
+    fresh = _groups_by_length(torch.nonzero((context == 0) & (query > 1) & (query <= GROUP_MAX_LEN)), query)
+    continued = _groups_by_length(torch.nonzero((context > 0) & ~is_decode & (total <= GROUP_MAX_LEN)), total)
+    groups = [_prefill_group(members, query, query_start, device) for members in fresh]
     context_groups = [_context_group(members, context, query, query_start, num_blocks, table, block_size, device)
-                      for members in continued.values() if len(members) > 1]
-    grouped |= {i for members in continued.values() if len(members) > 1 for i in members}
+                      for members in continued]
+    grouped = {i for members in fresh + continued for i in members}
     prefills = []
     for i in torch.nonzero(~is_decode).flatten().tolist():
         if i in grouped:
@@ -139,13 +133,28 @@ def build_metadata(
                              context_groups, decode_kernel)
 
 
+def _groups_by_length(rows: torch.Tensor, lengths: torch.Tensor) -> list[list[int]]:
+    """`rows` bucketed by their `lengths` (powers of two, at least 16): the buckets of two or more."""
+    buckets: dict[int, list[int]] = {}
+    for i in rows.flatten().tolist():
+        buckets.setdefault(max(16, 1 << (int(lengths[i]) - 1).bit_length()), []).append(i)
+    return [members for members in buckets.values() if len(members) > 1]
+
+
+def _padded_queries(members: list[int], query: torch.Tensor, query_start: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The members' new tokens padded to the longest one's: per [n, L] position, the step of its prompt it
+    holds (padding repeats the last), whether it is real, and its packed-batch position."""
+    lengths = query[members]
+    steps = torch.arange(int(lengths.max())).unsqueeze(0)
+    last = torch.minimum(steps, lengths.unsqueeze(1) - 1)
+    return last, steps < lengths.unsqueeze(1), query_start[members].unsqueeze(1) + last
+
+
 def _prefill_group(members: list[int], query: torch.Tensor, query_start: torch.Tensor,
                    device: torch.device) -> PrefillGroup:
-    lengths = query[members]
-    width = int(lengths.max())
-    steps = torch.arange(width)
-    valid = steps.unsqueeze(0) < lengths.unsqueeze(1)  # [n, L]
-    index = query_start[members].unsqueeze(1) + torch.minimum(steps.unsqueeze(0), lengths.unsqueeze(1) - 1)
+    _, valid, index = _padded_queries(members, query, query_start)  # [n, L]
+    steps = torch.arange(valid.shape[1])
     causal = steps.unsqueeze(0) <= steps.unsqueeze(1)  # [L, L]: query row i sees keys 0..i
     mask = causal.unsqueeze(0) & valid.unsqueeze(1)  # and only its own prompt's tokens
     return PrefillGroup(index.to(device), mask.unsqueeze(1).to(device), valid.flatten().to(device),
@@ -155,16 +164,11 @@ def _prefill_group(members: list[int], query: torch.Tensor, query_start: torch.T
 def _context_group(members: list[int], context: torch.Tensor, query: torch.Tensor, query_start: torch.Tensor,
                    num_blocks: torch.Tensor, table: torch.Tensor, block_size: int,
                    device: torch.device) -> ContextGroup:
-    lengths, ctx = query[members], context[members]
-    width = int(lengths.max())
-    steps = torch.arange(width)
-    valid = steps.unsqueeze(0) < lengths.unsqueeze(1)  # [n, Lq]
-    last = torch.minimum(steps.unsqueeze(0), lengths.unsqueeze(1) - 1)  # padding repeats the last query
-    index = query_start[members].unsqueeze(1) + last
+    last, valid, index = _padded_queries(members, query, query_start)  # [n, Lq]
     blocks = table[members, : int(num_blocks[members].max())]
     keys = torch.arange(blocks.shape[1] * block_size)
     # Query j of a prompt sits at absolute position context + j and sees keys 0..context + j, all its own.
-    mask = keys.view(1, 1, -1) <= (ctx.unsqueeze(1) + last).unsqueeze(2)  # [n, Lq, Lk]
+    mask = keys.view(1, 1, -1) <= (context[members].unsqueeze(1) + last).unsqueeze(2)  # [n, Lq, Lk]
     return ContextGroup(index.to(device), blocks.to(device), mask.unsqueeze(1).to(device), valid.flatten().to(device),
                         index[valid].to(device))
 
