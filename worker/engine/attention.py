@@ -92,12 +92,12 @@ def build_metadata(
     context = torch.tensor([c for _, c, _ in seqs], dtype=torch.long)
     query = torch.tensor([q for _, _, q in seqs], dtype=torch.long)
     total = context + query
-    num_blocks = (total + block_size - 1) // block_size
-    width = int(num_blocks.max())
-    table = torch.zeros((n, width), dtype=torch.long)
-    for i, (block_ids, _, _) in enumerate(seqs):
-        k = int(num_blocks[i])
-        table[i, :k] = torch.tensor(block_ids[:k], dtype=torch.long)
+    blocks_needed = [(c + q + block_size - 1) // block_size for _, c, q in seqs]
+    num_blocks = torch.tensor(blocks_needed, dtype=torch.long)
+    width = max(blocks_needed)
+    # One tensor from padded lists: a torch.tensor call per row cost more than the rest of this function.
+    rows = zip(seqs, blocks_needed, strict=True)
+    table = torch.tensor([block_ids[:k] + [0] * (width - k) for (block_ids, _, _), k in rows], dtype=torch.long)
     query_start = torch.cumsum(query, 0) - query
     num_tokens = int(query.sum())
     seq_of_token = torch.repeat_interleave(torch.arange(n), query)

@@ -175,14 +175,13 @@ class ModelRunner:
         if not scheduled:
             return {}
         token_ids: list[int] = []
-        positions: list[torch.Tensor] = []
+        spans: list[tuple[torch.Tensor | None, int, int, int]] = []
         seqs: list[tuple[list[int], int, int]] = []
         for s in scheduled:
             req = s.request
             token_ids.extend(req.all_token_ids[s.start : s.start + s.num_tokens])
             prepared = self.inputs[req.request_id]
-            positions.append(self.family.sequence_positions(prepared.mrope_positions, prepared.mrope_delta,
-                                                            s.start, s.num_tokens))
+            spans.append((prepared.mrope_positions, prepared.mrope_delta, s.start, s.num_tokens))
             seqs.append((req.block_ids, s.start, s.num_tokens))
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         embeds = self.embed_tokens(ids)
@@ -194,7 +193,7 @@ class ModelRunner:
                 embeds[first : first + image.num_tokens] = rows.to(embeds.dtype)
             offset += s.num_tokens
         meta = build_metadata(self.kv_caches, self.config.block_size, seqs, self.device, self.decode_kernel)
-        position_ids = self.family.packed_position_ids(positions)
+        position_ids = self.family.batch_position_ids(spans)
         hidden = self.language_model(
             inputs_embeds=embeds.unsqueeze(0), position_ids=position_ids.to(self.device), attention_mask=None,
             use_cache=False, attn_metadata=meta,

@@ -218,6 +218,10 @@ def test_qwen2_vl_prompt_positions_match_get_rope_index(models: Callable[[str], 
         assert torch.equal(whole[0], torch.arange(n + 3))
         assert torch.equal(whole[1:, :n], got)
         assert torch.equal(whole[1:, n:], (torch.arange(n, n + 3) + delta).expand(3, -1))
+        # A packed step of a chunk, a decode and a fresh prompt: the batch form is the per-sequence one.
+        spans = [(got, delta, 5, n - 6), (got, delta, n + 2, 1), (got, delta, 0, n)]
+        assert torch.equal(family.batch_position_ids(spans),
+                           family.packed_position_ids([family.sequence_positions(*span) for span in spans]))
 
 
 def test_one_d_families_position_layout(models: Callable[[str], LoadedModel]) -> None:
@@ -226,6 +230,11 @@ def test_one_d_families_position_layout(models: Callable[[str], LoadedModel]) ->
     packed = family.packed_position_ids([family.sequence_positions(None, 0, 0, 3),
                                          family.sequence_positions(None, 0, 7, 1)])
     assert packed.tolist() == [[0, 1, 2, 7]]
+    # The vectorised batch form: prefills, chunks and decodes of any lengths, in packed order.
+    spans = [(None, 0, 0, 3), (None, 0, 7, 1), (None, 0, 40, 5), (None, 0, 0, 1), (None, 0, 2, 1)]
+    assert family.batch_position_ids(spans).tolist() == [[0, 1, 2, 7, 40, 41, 42, 43, 44, 0, 2]]
+    assert torch.equal(family.batch_position_ids(spans),
+                       family.packed_position_ids([family.sequence_positions(*span) for span in spans]))
 
 
 @pytest.mark.parametrize("name", ["qwen2_vl", "internvl"])
