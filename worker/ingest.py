@@ -4,7 +4,8 @@ The input is OpenAI batch JSONL, or a CSV manifest (worker/dataset.py); with an 
 dataset) its images are stored and indexed first, and lines name them by relative path.
 
 Memory stays bounded whatever the file's size: lines are read from object storage piece by piece, a chunk of
-`ingest_chunk_rows` lines is held at a time (requests with images already replaced by content hashes), and
+at most `ingest_chunk_rows` lines is held at a time (the first `ingest_first_chunk_rows`, doubling from there,
+so a batch's first jobs are dispatched early) (requests with images already replaced by content hashes), and
 duplicate custom_ids are found by a unique index in SQL rather than a set of every id seen.
 
 Crash safety: a chunk's job rows, its refused lines and the batch's resume point (`ingested_lines`) commit in
@@ -120,10 +121,11 @@ def ingest_batch(batch_id: str, deps: IngestDeps) -> str:
     read = iter_csv_lines if filename.lower().endswith(".csv") else iter_lines
     lines = ((n, item) for n, item in read(chunks, deps.settings.max_body_bytes) if n > resume_after)
     done_line = resume_after
+    sizes = chunk_sizes(deps.settings.ingest_first_chunk_rows, deps.settings.ingest_chunk_rows)
     while True:
         try:
             with deps.db.session() as session:
-                result = _ingest_chunk(session, deps, run, lines, done_line)
+                result = _ingest_chunk(session, deps, run, lines, done_line, next(sizes))
         except _Stopped:
             log.info("batch %s: ingestion stopped (cancelled, or another ingester took over)", batch_id)
             with deps.db.session() as session:
@@ -138,8 +140,17 @@ def ingest_batch(batch_id: str, deps: IngestDeps) -> str:
     return _conclude(deps, batch_id)
 
 
+def chunk_sizes(first: int, most: int) -> Iterator[int]:
+    """Lines per chunk: `first`, doubling each chunk, never above `most`."""
+    size = min(first, most)
+    while True:
+        yield size
+        size = min(2 * size, most)
+
+
 def _ingest_chunk(
     session: Session, deps: IngestDeps, run: _Run, lines: Iterator[tuple[int, str | LineError]], done_line: int,
+    size: int,
 ) -> _ChunkResult:
     settings = deps.settings
     rows: list[dict[str, Any]] = []
@@ -147,7 +158,7 @@ def _ingest_chunk(
     line_of: dict[str, int] = {}  # custom_id -> line, for this chunk's accepted lines
     taken = last = 0
     now = utcnow()
-    for number, item in itertools.islice(lines, settings.ingest_chunk_rows):
+    for number, item in itertools.islice(lines, size):
         taken, last = taken + 1, number
         accepted = _accept(session, deps, run, number, item, line_of)
         if isinstance(accepted, LineError):
@@ -178,7 +189,7 @@ def _ingest_chunk(
     if not batches.advance_ingestion(session, run.batch_id, from_line=done_line, last_line=last, requests=taken,
                                      refused=len(errors)):
         raise _Stopped()
-    return _ChunkResult([r["id"] for r in rows if r["id"] in inserted], last, taken < settings.ingest_chunk_rows)
+    return _ChunkResult([r["id"] for r in rows if r["id"] in inserted], last, taken < size)
 
 
 def _accept(

@@ -367,3 +367,28 @@ def test_ingest_and_finalize_on_sqlite_and_a_local_folder(tmp_path: Path) -> Non
     assert sorted(o["custom_id"] for o in output) == ["a", "b", "c"]
     assert (tmp_path / "objects" / "tenants" / "default" / "batches" / batch_id / "output.jsonl").is_file()
     db.dispose()
+
+
+def test_first_chunks_are_small_and_double(settings: Settings, db: Database, store: ObjectStore) -> None:
+    """Workers get a batch's first jobs after `ingest_first_chunk_rows` lines, not a whole chunk; chunks then
+    double up to `ingest_chunk_rows`, and a crash between them still resumes with every job sent once."""
+    growing = settings.model_copy(update={"ingest_first_chunk_rows": 2, "ingest_chunk_rows": 8})
+    data = ("\n".join(line(f"g{i}") for i in range(20)) + "\n").encode()
+    batch_id = make_batch(db, store, data)
+    progress: list[int] = []
+    sent = Recorder(hook=lambda calls: progress.append(get_batch(db, batch_id).ingested_lines))
+    assert ingest_batch(batch_id, IngestDeps(growing, db, store, sent)) == "in_progress"
+    assert progress == [2, 6, 14, 20]  # chunks of 2, 4, 8, then the 6 left
+    assert sorted(sent.sent) == sorted(j.id for j in batch_jobs(db, batch_id)) and len(sent.sent) == 20
+
+    batch_id = make_batch(db, store, data)
+    first = Recorder(fail_on_call=3)
+    with pytest.raises(ConnectionError):  # the third chunk (8 lines) committed, then its dispatch failed
+        ingest_batch(batch_id, IngestDeps(growing, db, store, first))
+    assert get_batch(db, batch_id).ingested_lines == 14 and len(first.sent) == 6
+    again = Recorder()
+    assert ingest_batch(batch_id, IngestDeps(growing, db, store, again)) == "in_progress"
+    created = batch_jobs(db, batch_id)
+    assert sorted(j.custom_id or "" for j in created) == sorted(f"g{i}" for i in range(20))
+    assert sorted(first.sent + again.sent) == sorted(j.id for j in created)
+    assert get_batch(db, batch_id).total_requests == 20
