@@ -4,9 +4,10 @@ The input is OpenAI batch JSONL, or a CSV manifest (worker/dataset.py); with an 
 dataset) its images are stored and indexed first, and lines name them by relative path.
 
 Memory stays bounded whatever the file's size: lines are read from object storage piece by piece, a chunk of
-at most `ingest_chunk_rows` lines is held at a time (the first `ingest_first_chunk_rows`, doubling from there,
-so a batch's first jobs are dispatched early) (requests with images already replaced by content hashes), and
-duplicate custom_ids are found by a unique index in SQL rather than a set of every id seen.
+at most `ingest_chunk_rows` lines is held at a time (requests with images already replaced by content hashes),
+and duplicate custom_ids are found by a unique index in SQL rather than a set of every id seen. The first chunk
+holds `ingest_first_chunk_rows` lines and each next one doubles, so a batch's first jobs reach the workers
+before a whole chunk of lines has been checked.
 
 Crash safety: a chunk's job rows, its refused lines and the batch's resume point (`ingested_lines`) commit in
 one transaction. Job rows are written unsent; after each chunk, common.dispatch tops up the tenant's window
