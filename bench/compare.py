@@ -182,6 +182,11 @@ def run_service(path: Path, jobs: list[GenerationRequest], threads: int, work: P
         print(f"  {submission.system} engine: {delta['vlmq_engine_steps_total']:.0f} steps"
               + (f", {vision:.0f} vision batches of {delta['vlmq_engine_vision_batch_size_sum'] / vision:.1f} images"
                  if vision else ""))
+        stages = {m["stage"]: value - metrics_before.get(name, 0.0) for name, value in metrics.items()
+                  if (m := re.fullmatch(r"vlmq_worker_stage_cpu_seconds_total\{stage=(?P<stage>\w+)\}", name))}
+        if stages:
+            print(f"  {submission.system} worker's job threads, CPU per job by stage (ms): "
+                  + ", ".join(f"{stage} {1000 * s / len(jobs):.2f}" for stage, s in stages.items()))
         spent = {name: cpu_after[name] - cpu_before[name] for name in cpu_before}
         spent["client"] = (client_after.user + client_after.system) - (client_before.user + client_before.system)
         print(f"  {submission.system} CPU per job (ms): " + ", ".join(f"{name} {1000 * s / len(jobs):.1f}"

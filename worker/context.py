@@ -60,7 +60,7 @@ def build_context(settings: Settings) -> WorkerContext:
     leases = LeaseKeeper(db, worker_id, settings.lease_seconds, settings.heartbeat_seconds,
                          on_lost=generator.abort)
     pipeline = JobPipeline(settings, db, store, generator, leases, worker_id)
-    telemetry = WorkerTelemetry(settings, generator, leases, worker_id).start()
+    telemetry = WorkerTelemetry(settings, generator, leases, worker_id, pipeline.clock).start()
     return WorkerContext(settings, db, store, generator, leases, pipeline, worker_id, telemetry)
 
 

@@ -32,6 +32,7 @@ from worker.batcher import Generator
 from worker.generation import GenerationRequest, InputError, SamplingParams
 from worker.leases import LeaseKeeper
 from worker.solo_gate import SoloGate
+from worker.stage_clock import StageClock
 from worker.state_writer import StateWriter
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,7 @@ class JobPipeline:
         self.leases = leases
         self.worker_id = worker_id
         self.gate = SoloGate()
+        self.clock = StageClock()  # CPU per stage of a job, for /metrics (worker/telemetry.py)
         # Claims and finishes of the jobs in flight, grouped into shared transactions.
         self.writer = StateWriter(db, worker_id, settings.lease_seconds)
         # Storing a finished result outlasts an outage of S3 or SQL; the heartbeat keeps the lease meanwhile.
@@ -85,7 +87,8 @@ class JobPipeline:
         # is claimed only once through the gate, so that a job waiting there behind a solo run that crashes
         # the process has not spent its last attempt on it.
         with self.gate.shared():
-            job = self._claim_shared(job_id)
+            with self.clock.stage("claim"):
+                job = self._claim_shared(job_id)
             if job is not None:
                 return self._run_leased(job)
         if not self._claimable_last_try(job_id):
@@ -120,9 +123,12 @@ class JobPipeline:
 
     def _run_claimed(self, job: Job) -> Outcome:
         try:
-            request = self._build_request(job)
-            prepared = self.generator.prepare(request)
-            result = self.generator.submit(prepared).result()
+            with self.clock.stage("inputs"):
+                request = self._build_request(job)
+            with self.clock.stage("prepare"):
+                prepared = self.generator.prepare(request)
+            with self.clock.stage("engine"):
+                result = self.generator.submit(prepared).result()
         except (InputError, ImageError) as exc:
             return self._fail(job, "invalid_input", str(exc))
         except ObjectNotFound as exc:
@@ -139,8 +145,10 @@ class JobPipeline:
         job_result = jobs.JobResult(key, result.text, result.finish_reason, result.prompt_tokens,
                                     result.completion_tokens)
         try:
-            self._result_retry(self._persist, key, body)
-            finished = self._result_retry(self._finish, job.id, job_result)
+            with self.clock.stage("persist"):
+                self._result_retry(self._persist, key, body)
+            with self.clock.stage("finish"):
+                finished = self._result_retry(self._finish, job.id, job_result)
         except Exception as exc:
             log.exception("job %s could not be persisted", job.id)
             return self._release(job, "persist_error", f"{type(exc).__name__}: {exc}")

@@ -21,6 +21,7 @@ from common.queue import TASK_RUN_JOB
 from common.settings import Settings
 from common.worker_registry import Heartbeat, WorkerRegistry
 from worker.leases import LeaseKeeper
+from worker.stage_clock import StageClock
 
 VISION_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _COUNTERS = {  # engine counter -> (metric name, help)
@@ -45,8 +46,10 @@ def _ratio(part: float, whole: float) -> float:
 
 
 class WorkerTelemetry:
-    def __init__(self, settings: Settings, generator: object, leases: LeaseKeeper, worker_id: str) -> None:
+    def __init__(self, settings: Settings, generator: object, leases: LeaseKeeper, worker_id: str,
+                 clock: StageClock | None = None) -> None:
         self.settings, self.generator, self.leases, self.worker_id = settings, generator, leases, worker_id
+        self.clock = clock
         self.jobs: Counter[str] = Counter()  # this process's run_job outcomes by status
         self._lock = threading.Lock()
         self._vision_seen = 0
@@ -155,6 +158,17 @@ class _Collector(Collector):
         yield jobs
         yield GaugeMetricFamily("vlmq_worker_jobs_in_flight", "Jobs this process holds leases on.",
                                 value=len(t.leases.held()))
+        if t.clock is not None:
+            cpu = CounterMetricFamily("vlmq_worker_stage_cpu_seconds",
+                                      "CPU the job threads spent in each stage of a job (their own, not waits).",
+                                      labels=["stage"])
+            calls = CounterMetricFamily("vlmq_worker_stage_calls", "Times a job thread entered each stage.",
+                                        labels=["stage"])
+            for stage, (seconds, n) in t.clock.snapshot().items():
+                cpu.add_metric([stage], seconds)
+                calls.add_metric([stage], n)
+            yield cpu
+            yield calls
         m = t.engine_metrics()
         if not m:
             return  # the HF fallback backend has no engine counters
