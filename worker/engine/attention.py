@@ -39,23 +39,15 @@ class PrefillSeq:
 
 
 @dataclass
-class PrefillGroup:
-    """Fresh prompts (no cached context) of similar lengths, attended in one padded SDPA call."""
-    index: torch.Tensor        # [n, L] packed-batch positions of each prompt's tokens; padding repeats its last
-    mask: torch.Tensor         # [n, 1, L, L] bool: causal, and only the prompt's own tokens as keys
-    valid: torch.Tensor        # [n * L] bool, True for the rows of real tokens
-    rows: torch.Tensor         # packed-batch positions of the real rows, in the order `valid` selects them
-
-
-@dataclass
-class ContextGroup:
-    """Prompts that continue a cached context, of similar total lengths, attended in one padded SDPA call over
-    their blocks (the new keys are in the pool by then)."""
+class PaddedGroup:
+    """Prompts of similar lengths attended in one padded SDPA call. Fresh prompts (no cached context) attend
+    their new keys directly; prompts that continue a context attend their whole blocks, gathered from the pool
+    (their new keys are in it by then)."""
     index: torch.Tensor        # [n, Lq] packed-batch positions of each prompt's new tokens; padding repeats its last
-    blocks: torch.Tensor       # [n, W] block tables, padded with block 0
-    mask: torch.Tensor         # [n, 1, Lq, W * block_size] bool: query j sees keys 0..context + j of its own
+    mask: torch.Tensor         # [n, 1, Lq, Lk] bool: query j sees its own prompt's keys up to its position
     valid: torch.Tensor        # [n * Lq] bool, True for the rows of real tokens
     rows: torch.Tensor         # packed-batch positions of the real rows, in the order `valid` selects them
+    blocks: torch.Tensor | None = None  # [n, W] block tables, padded with block 0 (Lk = W * block_size); None: fresh
 
 
 @dataclass
@@ -73,8 +65,8 @@ class AttentionMetadata:
     prefills: list[PrefillSeq]
     decodes: DecodeBatch | None
     num_tokens: int
-    prefill_groups: list[PrefillGroup]
-    context_groups: list[ContextGroup]
+    prefill_groups: list[PaddedGroup]   # fresh prompts
+    context_groups: list[PaddedGroup]   # prompts continuing a cached context
     # (q [B, heads, dim], k pool, v pool, block tables, seq lens, scale) -> [B, heads, dim]; None: gather + SDPA
     decode_kernel: Callable[..., torch.Tensor] | None = None
 
@@ -152,25 +144,25 @@ def _padded_queries(members: list[int], query: torch.Tensor, query_start: torch.
 
 
 def _prefill_group(members: list[int], query: torch.Tensor, query_start: torch.Tensor,
-                   device: torch.device) -> PrefillGroup:
+                   device: torch.device) -> PaddedGroup:
     _, valid, index = _padded_queries(members, query, query_start)  # [n, L]
     steps = torch.arange(valid.shape[1])
     causal = steps.unsqueeze(0) <= steps.unsqueeze(1)  # [L, L]: query row i sees keys 0..i
     mask = causal.unsqueeze(0) & valid.unsqueeze(1)  # and only its own prompt's tokens
-    return PrefillGroup(index.to(device), mask.unsqueeze(1).to(device), valid.flatten().to(device),
-                        index[valid].to(device))
+    return PaddedGroup(index.to(device), mask.unsqueeze(1).to(device), valid.flatten().to(device),
+                       index[valid].to(device))
 
 
 def _context_group(members: list[int], context: torch.Tensor, query: torch.Tensor, query_start: torch.Tensor,
                    num_blocks: torch.Tensor, table: torch.Tensor, block_size: int,
-                   device: torch.device) -> ContextGroup:
+                   device: torch.device) -> PaddedGroup:
     last, valid, index = _padded_queries(members, query, query_start)  # [n, Lq]
     blocks = table[members, : int(num_blocks[members].max())]
     keys = torch.arange(blocks.shape[1] * block_size)
     # Query j of a prompt sits at absolute position context + j and sees keys 0..context + j, all its own.
     mask = keys.view(1, 1, -1) <= (context[members].unsqueeze(1) + last).unsqueeze(2)  # [n, Lq, Lk]
-    return ContextGroup(index.to(device), blocks.to(device), mask.unsqueeze(1).to(device), valid.flatten().to(device),
-                        index[valid].to(device))
+    return PaddedGroup(index.to(device), mask.unsqueeze(1).to(device), valid.flatten().to(device),
+                       index[valid].to(device), blocks.to(device))
 
 
 def paged_attention(
@@ -195,24 +187,20 @@ def paged_attention(
     q = query[0]  # [heads, T, dim]
     out = torch.empty((q.shape[1], q.shape[0], q.shape[2]), dtype=query.dtype, device=query.device)
     gqa = q.shape[0] != kv_heads
-    for group in meta.prefill_groups:
+    for group in (*meta.prefill_groups, *meta.context_groups):
         n, width = group.index.shape
-        flat = group.index.flatten()
-        q_grp = q[:, flat].view(q.shape[0], n, width, dim).transpose(0, 1)  # [n, heads, L, dim]
-        k_grp = key[0][:, flat].view(kv_heads, n, width, dim).transpose(0, 1)  # no context: keys are all new
-        v_grp = value[0][:, flat].view(kv_heads, n, width, dim).transpose(0, 1)
+        q_grp = q[:, group.index.flatten()].view(q.shape[0], n, width, dim).transpose(0, 1)  # [n, heads, Lq, dim]
+        if group.blocks is None:  # no context: the keys are the prompts' new ones, laid out like the queries
+            flat = group.index.flatten()
+            k_grp = key[0][:, flat].view(kv_heads, n, width, dim).transpose(0, 1)
+            v_grp = value[0][:, flat].view(kv_heads, n, width, dim).transpose(0, 1)
+        else:
+            flat = group.blocks.flatten()
+            k_grp = k_cache.index_select(0, flat).view(n, -1, kv_heads, dim).transpose(1, 2)  # [n, kv, Lk, dim]
+            v_grp = v_cache.index_select(0, flat).view(n, -1, kv_heads, dim).transpose(1, 2)
         o = F.scaled_dot_product_attention(q_grp, k_grp, v_grp, attn_mask=group.mask, scale=scaling,
                                            enable_gqa=gqa)
         out[group.rows] = o.transpose(1, 2).reshape(n * width, q.shape[0], dim)[group.valid]
-    for cgroup in meta.context_groups:
-        n, width = cgroup.index.shape
-        q_grp = q[:, cgroup.index.flatten()].view(q.shape[0], n, width, dim).transpose(0, 1)  # [n, heads, Lq, dim]
-        flat = cgroup.blocks.flatten()
-        k_grp = k_cache.index_select(0, flat).view(n, -1, kv_heads, dim).transpose(1, 2)  # [n, kv, Lk, dim]
-        v_grp = v_cache.index_select(0, flat).view(n, -1, kv_heads, dim).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q_grp, k_grp, v_grp, attn_mask=cgroup.mask, scale=scaling,
-                                           enable_gqa=gqa)
-        out[cgroup.rows] = o.transpose(1, 2).reshape(n * width, q.shape[0], dim)[cgroup.valid]
     for seq in meta.prefills:
         q_seq = q[:, seq.query_start : seq.query_start + seq.query_len]
         # Whole blocks are gathered (one index per block, not per token), then cut to the sequence's length.
