@@ -10,6 +10,7 @@ equal to float rounding. fp32 weights only: elsewhere oneDNN's speed depends on 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -44,13 +45,15 @@ def can_pack(model: nn.Module) -> bool:
             and torch.backends.mkldnn.is_available())
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Replace every nn.Linear of an fp32 CPU model by a PackedLinear; how many were replaced (0 where oneDNN
-    is unavailable or refuses, in which case the model is left as it was)."""
+def pack_linears(model: nn.Module, skip: Iterable[nn.Module] = ()) -> int:
+    """Replace every nn.Linear of an fp32 CPU model, except those inside `skip` (layers torch.compile packs
+    itself), by a PackedLinear; how many were replaced (0 where oneDNN is unavailable or refuses, in which case
+    the model is left as it was)."""
     if not can_pack(model):
         return 0
-    targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-               if type(child) is nn.Linear]
+    skipped = {id(module) for root in skip for module in root.modules()}
+    targets = [(parent, name, child) for parent in model.modules() if id(parent) not in skipped
+               for name, child in parent.named_children() if type(child) is nn.Linear]
     try:
         packed = [(parent, name, PackedLinear(child)) for parent, name, child in targets]
         probe = packed[0][2] if packed else None

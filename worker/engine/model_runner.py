@@ -98,11 +98,17 @@ class ModelRunner:
         self.family: ModelFamily = get_family(self.model)
         self.encoder_cache = encoder_cache
         self._switch_text_attention()
+        self.language_model = self.family.language_model(self.model)
+        compiled: list[torch.nn.Module] = []
+        if config.compile_layers:
+            from worker.engine.layer_compiler import compile_decoder_layers
+
+            compiled = compile_decoder_layers(self.language_model)
+        self.num_compiled_layers = len(compiled)
         if self.device.type == "cpu" and config.cpu_packed_linear:
             from worker.engine.cpu_linear import pack_linears
 
-            pack_linears(self.model)
-        self.language_model = self.family.language_model(self.model)
+            pack_linears(self.model, skip=compiled)  # inductor packs the compiled layers' linears its own way
         self.lm_head = self.family.lm_head(self.model)
         self.embed_tokens = self.family.embed_tokens(self.model)
         layers, kv_heads, head_dim = _kv_geometry(self.model)
