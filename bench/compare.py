@@ -1,20 +1,23 @@
 """vlmq against its peers and against the machine, side by side in one run: the same jobs, the same checkpoint,
-greedy, fp32, the same max_tokens.
+greedy, the same dtype (fp32 unless --dtype says otherwise), the same max_tokens.
 
     .venv/bin/python bench/compare.py --jobs 64 --models tiny,small --repeats 3 --plot docs/compare.png
+    .venv/bin/python bench/compare.py --dtype bfloat16 ...   # where the CPU multiplies bf16 natively (AMX)
     # vLLM CPU joins when its venv exists: bash bench/peers/setup.sh (default /work/peers-venv)
 
 Systems: (hf1) HF `generate` one job at a time, (hfb) HF padded batched `generate` in batches of 32,
 (engine) the vlmq engine alone, (engine_torch) the same without its CPU fast paths (C++ decode attention,
-oneDNN-packed linears), (service) vlmq as a user meets it: POST /v1/jobs over HTTP -> Postgres -> Redis ->
-`vlmq worker` -> S3 + SQL, polled until every job succeeded (bench/service_stack.py: each service its own
-process, with its own redis-server, Postgres cluster and the S3 server), (service_batch) the same stack fed
-through the OpenAI Batch API instead: one JSONL upload, until the batch completed and its output file was
-written (bench/service_submit.py), (vllm) vLLM's offline `LLM.generate` (bench/peers).
+oneDNN-packed linears), (engine_compile) the engine with its decoder layers compiled by torch.compile
+(VLMQ_ENGINE_COMPILE; compiling is warm-up, outside the timing), (service) vlmq as a user meets it: POST
+/v1/jobs over HTTP -> Postgres -> Redis -> `vlmq worker` -> S3 + SQL, polled until every job succeeded
+(bench/service_stack.py: each service its own process, with its own redis-server, Postgres cluster and the S3
+server), (service_batch) the same stack fed through the OpenAI Batch API instead: one JSONL upload, until the
+batch completed and its output file was written (bench/service_submit.py), (vllm) vLLM's offline
+`LLM.generate` (bench/peers).
 Workloads: each model with one image per job, and the same prompts text-only, so the image tax shows: the
 extra wall time of the image jobs over the text jobs, against a batched vision forward of the same images
-alone. The machine: the fp32 GEMM peak measured in this run, the FLOPs each workload needs (vision, prefill,
-decode; counted from the configs and the token counts), and achieved/peak.
+alone. The machine: the GEMM peak in the run's dtype, measured in this run; the FLOPs each workload needs
+(vision, prefill, decode; counted from the configs and the token counts), and achieved/peak.
 """
 
 from __future__ import annotations
@@ -86,19 +89,22 @@ def make_jobs(n: int, with_image: bool, max_tokens: int, seed: int = 0, prefix: 
     return jobs
 
 
-def run_engine(path: Path, jobs: list[GenerationRequest], cpu_paths: bool = True
-               ) -> tuple[Run, list[int], list[int]]:
-    engine = new_engine(path, cpu_paths)  # model load and KV allocation are start-up, not throughput
+def run_engine(path: Path, jobs: list[GenerationRequest], dtype: torch.dtype, cpu_paths: bool = True,
+               compile_layers: bool = False) -> tuple[Run, list[int], list[int]]:
+    engine = new_engine(path, cpu_paths, dtype, compile_layers)  # model load, KV allocation: start-up
     engine.generate(make_jobs(4, bool(jobs[0].images), 4, seed=99, prefix="warm"))
+    if compile_layers:  # a batch of one token is a graph of its own (torch specialises sizes 0 and 1)
+        engine.generate(make_jobs(1, bool(jobs[0].images), 4, seed=98, prefix="warm1"))
     start, cpu_start, steps = time.perf_counter(), time.process_time(), engine.stats.num_steps
     vision_before = len(engine.runner.vision_batch_sizes)
     results = engine.generate(jobs)
     seconds = time.perf_counter() - start
-    name = "engine" if cpu_paths else "engine_torch"
+    name = "engine_compile" if compile_layers else "engine" if cpu_paths else "engine_torch"
     vision = engine.runner.vision_batch_sizes[vision_before:]
     print(f"  {name} alone: {1000 * (time.process_time() - cpu_start) / len(jobs):.1f} ms of CPU per job, "
           f"{engine.stats.num_steps - steps} steps"
-          + (f", {len(vision)} vision batches of {sum(vision) / len(vision):.1f} images" if vision else ""))
+          + (f", {len(vision)} vision batches of {sum(vision) / len(vision):.1f} images" if vision else "")
+          + f"; KV cache in {str(engine.runner.kv_caches[0][0].dtype).removeprefix('torch.')}")
     return (Run(name, seconds, {r.request_id: r.token_ids for r in results}),
             [r.prompt_tokens for r in results], [len(r.token_ids) for r in results])
 
@@ -116,7 +122,8 @@ def _data_url(image: Image.Image) -> str:
 
 
 def run_service(path: Path, jobs: list[GenerationRequest], threads: int, work: Path, s3_endpoint: str,
-                s3_pid: int, batch: bool = False, profile: Path | None = None, profile_cpu: bool = False) -> Run:
+                s3_pid: int, dtype: str = "float32", batch: bool = False, profile: Path | None = None,
+                profile_cpu: bool = False) -> Run:
     """Timed from the first byte sent to done (bench/service_submit.py: each job POSTed, or with `batch` one
     Batch API file, until every job succeeded, or the batch completed). Prints the CPU each part of the stack
     spent per job in that time. With `profile`, py-spy samples the API and the worker meanwhile, in whichever
@@ -126,7 +133,7 @@ def run_service(path: Path, jobs: list[GenerationRequest], threads: int, work: P
     from service_submit import BatchSubmission, JobSubmission
     from sqlalchemy import create_engine, text
 
-    stack = ServiceStack(work, s3_endpoint, path, device="cpu", dtype="float32", kv_num_blocks=8192,
+    stack = ServiceStack(work, s3_endpoint, path, device="cpu", dtype=dtype, kv_num_blocks=8192,
                          max_num_seqs=256, max_num_batched_tokens=4096, sweep_interval_seconds=5)
     try:
         stack.start(worker_concurrency=256, worker_threads=threads)
@@ -211,7 +218,8 @@ def run_service(path: Path, jobs: list[GenerationRequest], threads: int, work: P
         stack.close()
 
 
-def run_vllm(path: Path, loaded: LoadedModel, jobs: list[GenerationRequest], threads: int, work: Path) -> Run | None:
+def run_vllm(path: Path, loaded: LoadedModel, jobs: list[GenerationRequest], threads: int, work: Path,
+             dtype: str = "float32") -> Run | None:
     python = PEERS_VENV / "bin" / "python"
     if not python.exists():
         print(f"  (vllm skipped: no peers venv at {PEERS_VENV}; bash bench/peers/setup.sh)")
@@ -236,8 +244,8 @@ def run_vllm(path: Path, loaded: LoadedModel, jobs: list[GenerationRequest], thr
     jobs_file = work / "vllm-jobs.json"
     jobs_file.write_text(json.dumps({"warmup": spec(warm, "warm"), "jobs": spec(jobs, "job")}))
     proc = subprocess.run([str(python), str(ROOT / "bench" / "peers" / "vllm_run.py"), str(model_dir),
-                           str(jobs_file), "--threads", str(threads)], capture_output=True, text=True, timeout=3600,
-                          env={**os.environ, "PYTHONPATH": ""})
+                           str(jobs_file), "--threads", str(threads), "--dtype", dtype], capture_output=True,
+                          text=True, timeout=3600, env={**os.environ, "PYTHONPATH": ""})
     line = next((x for x in proc.stdout.splitlines() if x.startswith("VLLM_RESULT ")), None)
     if line is None:
         print(f"  (vllm failed, exit {proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -249,6 +257,7 @@ def run_vllm(path: Path, loaded: LoadedModel, jobs: list[GenerationRequest], thr
 def vision_only_seconds(loaded: LoadedModel, images: list[Image.Image], batch: int = 64) -> float:
     """The images of the workload through the vision tower and projector alone, in batches."""
     pixels = loaded.processor.image_processor(images=images, return_tensors="pt")["pixel_values"]
+    pixels = pixels.to(loaded.model.dtype)
     with torch.inference_mode():
         loaded.model.get_image_features(pixel_values=pixels[:4])  # warm-up
         start = time.perf_counter()
@@ -257,12 +266,12 @@ def vision_only_seconds(loaded: LoadedModel, images: list[Image.Image], batch: i
     return time.perf_counter() - start
 
 
-def gemm_peak_gflops(n: int = 2048, repeats: int = 7) -> dict[str, float]:
-    """fp32 GEMM GFLOP/s of n x n x n, median of `repeats`, by each library torch reaches on CPU: its BLAS
+def gemm_peak_gflops(n: int = 2048, repeats: int = 7, dtype: torch.dtype = torch.float32) -> dict[str, float]:
+    """GEMM GFLOP/s of n x n x n in `dtype`, median of `repeats`, by each library torch reaches on CPU: its BLAS
     (`torch.mm`; MKL on x86, which on AMD CPUs may not take its AVX-512 path) and oneDNN with a pre-packed
     weight (what the engine's linears run). The machine's peak is the faster of the two: measured against
     the slower one, a workload could show more than 100%."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     calls = {"blas": lambda: torch.mm(a, b)}
     if torch.backends.mkldnn.is_available():
         packed = torch.ops.mkldnn._reorder_linear_weight(b.t().contiguous(), n)
@@ -325,6 +334,8 @@ def main() -> None:
     parser.add_argument("--systems", default="hf1,hfb,engine_torch,engine,service,vllm")
     parser.add_argument("--system-prompt", default="", help="a system prompt every job starts with")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="every system's weights, activations and KV cache, and the GEMM peak's operands")
     parser.add_argument("--service-threads", type=int, default=None,
                         help="the service worker's engine threads (default: --threads)")
     parser.add_argument("--plot", type=Path, default=None)
@@ -337,10 +348,11 @@ def main() -> None:
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     keep_freed_memory()
     systems = args.systems.split(",")
-    rates = gemm_peak_gflops()
+    dtype = getattr(torch, args.dtype)
+    rates = gemm_peak_gflops(dtype=dtype)
     peak = max(rates.values())
-    print(f"CPU: {cpu_name()}; torch {torch.__version__}, {args.threads} threads, fp32; GEMM 2048^2 peak measured "
-          f"now: {peak:.0f} GFLOP/s ({', '.join(f'{name} {rate:.0f}' for name, rate in rates.items())})")
+    print(f"CPU: {cpu_name()}; torch {torch.__version__}, {args.threads} threads, {args.dtype}; GEMM 2048^2 peak "
+          f"measured now: {peak:.0f} GFLOP/s ({', '.join(f'{name} {rate:.0f}' for name, rate in rates.items())})")
     table: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -355,31 +367,34 @@ def main() -> None:
         try:
             for name in args.models.split(","):
                 path = build_tiny_llava(work / name, seed=0, spec=MODELS[name])
-                loaded = load_model(str(path))
+                loaded = load_model(str(path), dtype=dtype)
                 seconds_by: dict[tuple[str, str], float] = {}
                 for kind in ("image", "text"):
                     jobs = make_jobs(args.jobs, kind == "image", args.max_tokens, system=args.system_prompt)
-                    first_engine, prompt_tokens, generated = run_engine(path, jobs)
+                    first_engine, prompt_tokens, generated = run_engine(path, jobs, dtype)
                     flops = workload_flops(loaded, prompt_tokens, generated, args.jobs if kind == "image" else 0)
                     repeats: dict[str, list[Run]] = {}
                     for rep in range(args.repeats):  # systems alternate, so drifts of the machine hit all alike
                         for system in systems:
                             run: Run | None = None
                             if system == "engine":
-                                run = first_engine if rep == 0 else run_engine(path, jobs)[0]
+                                run = first_engine if rep == 0 else run_engine(path, jobs, dtype)[0]
                             elif system == "engine_torch":
-                                run = run_engine(path, jobs, cpu_paths=False)[0]
+                                run = run_engine(path, jobs, dtype, cpu_paths=False)[0]
+                            elif system == "engine_compile":
+                                run = run_engine(path, jobs, dtype, compile_layers=True)[0]
                             elif system in ("hf1", "hfb"):
                                 run = run_hf(loaded, jobs, system == "hfb")
                             elif system in ("service", "service_batch"):
                                 run = run_service(path, jobs, args.service_threads or args.threads,
                                                   work / f"svc-{name}-{kind}-{rep}",
                                                   f"http://127.0.0.1:{port}", moto.pid,  # type: ignore[union-attr]
-                                                  batch=system == "service_batch",
+                                                  dtype=args.dtype, batch=system == "service_batch",
                                                   profile=args.profile and Path(f"{args.profile}-{name}-{kind}"),
                                                   profile_cpu=args.profile_cpu)
                             elif system == "vllm":
-                                run = run_vllm(path, loaded, jobs, args.threads, work / f"vllm-{name}-{kind}-{rep}")
+                                run = run_vllm(path, loaded, jobs, args.threads, work / f"vllm-{name}-{kind}-{rep}",
+                                               args.dtype)
                             if run is not None:
                                 repeats.setdefault(system, []).append(run)
                     # Each system's median run stands for it; every repeat's time is printed beside it.
@@ -414,12 +429,13 @@ def main() -> None:
             if moto is not None:
                 moto.terminate()
     if args.json:
-        args.json.write_text(json.dumps({"peak_gflops": peak, "gemm_gflops": rates, "rows": table}, indent=2))
+        args.json.write_text(json.dumps({"dtype": args.dtype, "peak_gflops": peak, "gemm_gflops": rates,
+                                         "rows": table}, indent=2))
     if args.plot:
-        plot(table, args.plot)
+        plot(table, args.plot, args.dtype, args.threads)
 
 
-def plot(table: list[dict[str, Any]], out: Path) -> None:
+def plot(table: list[dict[str, Any]], out: Path, dtype: str, threads: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -436,7 +452,7 @@ def plot(table: list[dict[str, Any]], out: Path) -> None:
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))], [f"{m}\n{k}" for m, k in groups])
     ax.set_ylabel("jobs/s (higher is better)")
     ax.set_yscale("log")
-    ax.set_title("Throughput per system and workload (same jobs, greedy, fp32, 2 CPU threads)")
+    ax.set_title(f"Throughput per system and workload (same jobs, greedy, {dtype}, {threads} CPU threads)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(out, dpi=110)

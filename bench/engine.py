@@ -108,12 +108,13 @@ def _cut(tokens: list[int], job: GenerationRequest, loaded: LoadedModel) -> list
     return tokens
 
 
-def new_engine(path: Path, cpu_paths: bool = True) -> Engine:
+def new_engine(path: Path, cpu_paths: bool = True, dtype: torch.dtype = torch.float32,
+               compile_layers: bool = False) -> Engine:
     """`cpu_paths=False`: without the C++ decode attention and the oneDNN-packed linears (the pure-torch
-    engine, for side-by-side runs)."""
-    return Engine(load_model(str(path)), EngineConfig(num_kv_blocks=8192, block_size=16, max_num_seqs=256,
-                                                      max_num_batched_tokens=4096, cpu_attention_kernel=cpu_paths,
-                                                      cpu_packed_linear=cpu_paths))
+    engine, for side-by-side runs); `compile_layers`: decoder layers compiled by torch.compile."""
+    config = EngineConfig(num_kv_blocks=8192, block_size=16, max_num_seqs=256, max_num_batched_tokens=4096,
+                          cpu_attention_kernel=cpu_paths, cpu_packed_linear=cpu_paths, compile_layers=compile_layers)
+    return Engine(load_model(str(path), dtype=dtype), config)
 
 
 def vlmq_engine(engine: Engine, jobs: list[GenerationRequest]) -> dict[str, list[int]]:

@@ -60,6 +60,23 @@ def _code_copy(tmp_path: Path) -> Path:
     return copy
 
 
+def test_bf16_runs_every_system_in_bf16(tmp_path: Path) -> None:
+    """--dtype bfloat16: the engine and HF run bf16 weights (so the engine's KV cache is bf16 too), the GEMM
+    peak is bf16's, and the JSON says which dtype its numbers are for."""
+    out = tmp_path / "compare.json"
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "compare.py"), "--jobs", "4", "--models", "tiny",
+                          "--systems", "engine,hfb", "--max-tokens", "4", "--dtype", "bfloat16", "--json", str(out)],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert re.search(r"^CPU: .* threads, bfloat16; GEMM 2048\^2 peak measured now: \d+ GFLOP/s", run.stdout, re.M)
+    assert len(re.findall(r"^  engine alone: .*; KV cache in bfloat16$", run.stdout, re.M)) == 2, run.stdout
+    report = json.loads(out.read_text())
+    assert report["dtype"] == "bfloat16" and report["peak_gflops"] > 0
+    rows = report["rows"]
+    assert {(r["system"], r["kind"]) for r in rows} == {(s, k) for s in ("engine", "hfb") for k in ("image", "text")}
+    assert all(r["jobs_per_s"] > 0 and re.fullmatch(r"ref|\d/4", r["agreement"]) for r in rows), rows
+
+
 def test_finalize_bench_runs_side_by_side(tmp_path: Path) -> None:
     """bench/finalize.py in its smallest size, against a second copy of the code: both finalize the batch."""
     copy = _code_copy(tmp_path)

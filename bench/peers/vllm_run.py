@@ -5,7 +5,8 @@ object: generate seconds (model load and warm-up excluded), and each job's gener
 
 JOBS.json: {"warmup": [job, ...], "jobs": [job, ...]}, a job being {"id": ..., "prompt": text with the chat
 template applied, "image": PNG path or null, "max_tokens": n}. The warm-up jobs are others than the measured
-ones, so no prefix or image cache is warm for those. Greedy, fp32, like the systems bench/compare.py runs.
+ones, so no prefix or image cache is warm for those. Greedy, in the dtype bench/compare.py runs every system in
+(fp32 by default).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ def main() -> None:
     parser.add_argument("jobs")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{args.threads - 1}")  # every core we were given
@@ -34,7 +36,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     with open(args.jobs) as f:
         spec = json.load(f)
-    llm = LLM(model=args.model, dtype="float32", max_num_seqs=args.max_num_seqs,
+    llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               limit_mm_per_prompt={"image": 1}, seed=0)
 
     def inputs(jobs: list[dict]) -> tuple[list[dict], list[SamplingParams]]:
