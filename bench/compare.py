@@ -404,8 +404,8 @@ def main() -> None:
                     n_tokens = sum(generated)
                     print(f"\n## {name}, {kind} jobs: {args.jobs} jobs, max_tokens {args.max_tokens}, "
                           f"{n_tokens} tokens generated, {flops / 1e9:.1f} GFLOP of work")
-                    print(f"{'system':<13}{'seconds':>9}{'jobs/s':>9}{'tok/s':>9}{'vs engine':>11}{'of peak':>9}"
-                          f"{'same as ' + reference.system:>13}   seconds of each repeat")
+                    print(f"{'system':<16}{'seconds':>9}{'jobs/s':>9}{'tok/s':>9}{'vs engine':>11}{'of peak':>9}"
+                          f"{'same as ' + reference.system:>16}   seconds of each repeat")
                     for run in runs:
                         seconds_by[(run.system, kind)] = run.seconds
                         row = {"model": name, "kind": kind, "system": run.system, "seconds": run.seconds,
@@ -414,9 +414,9 @@ def main() -> None:
                                "agreement": agreement(run, reference, loaded)}
                         table.append(row)
                         row["repeats"] = [r.seconds for r in repeats[run.system]]
-                        print(f"{run.system:<13}{run.seconds:>9.2f}{row['jobs_per_s']:>9.1f}{row['tokens_per_s']:>9.0f}"
+                        print(f"{run.system:<16}{run.seconds:>9.2f}{row['jobs_per_s']:>9.1f}{row['tokens_per_s']:>9.0f}"
                               f"{engine_run.seconds / run.seconds:>10.2f}x{100 * row['of_peak']:>8.1f}%"
-                              f"{row['agreement']:>13}   {' '.join(f'{x:.2f}' for x in row['repeats'])}")
+                              f"{row['agreement']:>16}   {' '.join(f'{x:.2f}' for x in row['repeats'])}")
                 images = [j.images[0] for j in make_jobs(args.jobs, True, args.max_tokens)]
                 vision = vision_only_seconds(loaded, images)
                 print(f"\nimage tax ({name}): batched vision alone {vision:.2f}s for {args.jobs} images")
