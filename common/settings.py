@@ -77,7 +77,8 @@ class Settings(BaseSettings):
     cpu_fast_paths: bool = Field(default=True, description="On CPU: C++ decode attention, oneDNN-packed linears.")
     engine_compile: bool = Field(
         default=False, description="Compile the language model's decoder layers with torch.compile (inductor): "
-        "fused element-wise ops, ~10% more throughput on CPU, for 10-25 s of compiling at the engine's first steps.")
+        "fused element-wise ops, 8-14% more throughput on CPU (small model), for 6-23 s of compiling at the first "
+        "steps.")
     engine_process: bool = Field(
         default=True, description="Run the paged engine in a child process, so that its Python does not share a "
         "GIL with the worker's per-job work (delivery, SQL, S3, prompt encoding).")

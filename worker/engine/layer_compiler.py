@@ -8,9 +8,10 @@ vLLM's CPU backend does by default. Paged attention stays eager (`torch.compiler
 step's metadata, Python lists that change every step, so each layer compiles into two graphs, before and
 after its attention call, with the packed batch's length dynamic.
 
-Measured on 256 small jobs (Intel Xeon with AMX, 2 CPUs): fp32 text 3.2 -> 2.9 s with outputs identical to the
-eager engine, bf16 text 2.19 -> 1.93 s and bf16 images 4.2 -> 3.7-3.9 s (docs/benchmarks.md, ninth
-measurement); compiling took 10-25 s at the first step, less from inductor's on-disk cache afterwards.
+On 256 small-model jobs (bench/engine_compile.py, Intel Xeon with AMX, 2 CPUs, medians of 4 alternating
+rounds): fp32 1.08-1.09x the eager engine's throughput with the same tokens, bf16 1.12-1.14x; tiny models,
+bound by Python per step, within noise. Compiling took ~6 s of the first steps from inductor's on-disk cache,
+~23 s without it (docs/benchmarks.md, ninth measurement).
 """
 
 from __future__ import annotations
