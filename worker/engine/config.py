@@ -18,8 +18,8 @@ class EngineConfig:
     overlap_vision: bool | None = None   # vision on its own CUDA stream; None: on when the device is CUDA
     cpu_attention_kernel: bool = True    # on CPU, decode attention by the C++ kernel where it builds
     cpu_packed_linear: bool = True       # on CPU (fp32), linear layers with oneDNN pre-packed weights
-    # Decoder layers compiled by torch.compile (worker/engine/layer_compiler.py); inductor then packs the
-    # linears itself, so cpu_packed_linear is not applied. Compiling takes seconds at the first steps.
+    # Decoder layers compiled by torch.compile (worker/engine/layer_compiler.py); cpu_packed_linear then
+    # applies outside them only (vision tower, projector, head). Compiling takes seconds at the first steps.
     compile_layers: bool = False
     # While requests still arrive (one came within this many seconds) and the batch has room, the service
     # waits up to this long for the next before stepping: fewer, fuller steps under a trickle. 0: never.

@@ -46,9 +46,9 @@ def can_pack(model: nn.Module) -> bool:
 
 
 def pack_linears(model: nn.Module, skip: Iterable[nn.Module] = ()) -> int:
-    """Replace every nn.Linear of an fp32 CPU model, except those inside `skip` (layers torch.compile packs
-    itself), by a PackedLinear; how many were replaced (0 where oneDNN is unavailable or refuses, in which case
-    the model is left as it was)."""
+    """Replace every nn.Linear of an fp32 CPU model, except those inside `skip` (compiled layers: inductor has
+    no lowering for the packed op), by a PackedLinear; how many were replaced (0 where oneDNN is unavailable or
+    refuses, in which case the model is left as it was)."""
     if not can_pack(model):
         return 0
     skipped = {id(module) for root in skip for module in root.modules()}

@@ -3,10 +3,11 @@
 Between two matmuls an HF decoder layer runs a chain of small element-wise ops: RMSNorm (a cast, a square, a
 mean, a rsqrt, two products), RoPE (slices, a negation, a concatenation, products and sums on q and k), the
 residual adds and SiLU times the up projection. Eagerly each is a pass over memory and a dispatch from Python;
-inductor fuses each chain into one generated C++ loop and packs the linear weights for the CPU's GEMM, as
-vLLM's CPU backend does by default. Paged attention stays eager (`torch.compiler.disable`): it reads the
-step's metadata, Python lists that change every step, so each layer compiles into two graphs, before and
-after its attention call, with the packed batch's length dynamic.
+inductor fuses each chain into one generated C++ loop (the matmuls stay library calls), as vLLM's CPU backend
+compiles its models by default. Paged attention stays eager (`torch.compiler.disable`): it reads the step's
+metadata, Python lists that change every step, so each layer runs as two compiled graphs, before and after
+its attention call, with the packed batch's length dynamic (layers that differ only in weights share them).
+The compiled layers' linears stay plain nn.Linear: inductor has no lowering for oneDNN's packed op.
 
 On 256 small-model jobs (bench/engine_compile.py, Intel Xeon with AMX, 2 CPUs, medians of 4 alternating
 rounds): fp32 1.08-1.09x the eager engine's throughput with the same tokens, bf16 1.12-1.14x; tiny models,

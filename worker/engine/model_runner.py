@@ -108,7 +108,7 @@ class ModelRunner:
         if self.device.type == "cpu" and config.cpu_packed_linear:
             from worker.engine.cpu_linear import pack_linears
 
-            pack_linears(self.model, skip=compiled)  # inductor packs the compiled layers' linears its own way
+            pack_linears(self.model, skip=compiled)  # inductor cannot lower the packed op
         self.lm_head = self.family.lm_head(self.model)
         self.embed_tokens = self.family.embed_tokens(self.model)
         layers, kv_heads, head_dim = _kv_geometry(self.model)

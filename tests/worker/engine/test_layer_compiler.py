@@ -1,6 +1,7 @@
 """Decoder layers compiled by torch.compile (EngineConfig.compile_layers, VLMQ_ENGINE_COMPILE): the engine still
 gives HF `generate`'s greedy tokens with every layer compiled and attention the only graph break, and the
-linears inductor packs are left to it while the vision tower's are packed for oneDNN as before."""
+compiled layers' linears stay plain (inductor cannot lower oneDNN's packed op) while the vision tower's are
+packed for oneDNN as before."""
 
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ def test_compiled_layers_match_hf_generate(fixture: str, request: pytest.Fixture
     assert all("paged_attention" in reason for reason in breaks), list(breaks)
 
 
-def test_inductor_packs_the_compiled_layers_and_onednn_the_rest(six_layer_llava: Path) -> None:
+def test_onednn_packs_the_linears_outside_the_compiled_layers(six_layer_llava: Path) -> None:
     engine = Engine(load_model(str(six_layer_llava)), EngineConfig(num_kv_blocks=64, compile_layers=True))
     inside = {id(m) for layer in decoder_layers(engine.runner.language_model) for m in layer.modules()}
     linears = [m for m in engine.runner.model.modules() if isinstance(m, nn.Linear | PackedLinear)]
