@@ -104,6 +104,9 @@ class S3ObjectStore:
                 connect_timeout=5,
                 read_timeout=60,
                 s3={"addressing_style": "path"},
+                # Presigned URLs default to SigV2 here, which S3 regions opened since 2014 and rclone's
+                # server refuse ("UnsupportedAlgorithm"); SigV4 is accepted everywhere.
+                signature_version="s3v4",
                 # One client serves all of a process's threads. With botocore's default of 10 pooled
                 # connections, a worker running 64-256 jobs at once closed most connections after each
                 # request and opened a new one for the next (urllib3 logs "Connection pool is full").

@@ -19,6 +19,8 @@ import psycopg
 import pytest
 import redis
 
+from tests.s3_server import S3Server
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -88,6 +90,17 @@ def s3_endpoint() -> Iterator[str]:
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+@pytest.fixture(scope="session")
+def rclone_s3_endpoint() -> Iterator[str]:
+    """A second, independent S3 implementation (`rclone serve s3`, Go, over a folder), so the object store is
+    not only ever checked against moto."""
+    server = S3Server("rclone")
+    try:
+        yield server.endpoint
+    finally:
+        server.close()
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,7 @@ import tarfile
 import time
 import zipfile
 from collections.abc import Iterator
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -377,8 +377,12 @@ def test_file_lifecycle_and_delete(stack: Stack) -> None:
     assert httpx.get(presigned["url"]).content == stack.client.files.content(file_id).content
     capped = stack.http.get(f"/v1/files/{file_id}/url", params={"expires_in": 10**9}).json()
     assert capped["expires_at"] - time.time() <= stack.settings.presign_expiry_seconds + 1
-    expires = int(httpx.URL(presigned["url"]).params["Expires"])  # the signature itself expires then
-    assert abs(expires - presigned["expires_at"]) <= 2
+    # The signature itself (SigV4, which every S3 region takes) expires then: signed at X-Amz-Date, for
+    # X-Amz-Expires seconds.
+    params = httpx.URL(presigned["url"]).params
+    assert params["X-Amz-Algorithm"] == "AWS4-HMAC-SHA256"
+    signed_at = datetime.strptime(params["X-Amz-Date"], "%Y%m%dT%H%M%SZ").replace(tzinfo=UTC).timestamp()
+    assert abs(signed_at + int(params["X-Amz-Expires"]) - presigned["expires_at"]) <= 2
     deleted = stack.client.files.delete(file_id)
     assert (deleted.id, deleted.deleted, deleted.object) == (file_id, True, "file")
     with pytest.raises(openai.NotFoundError, match="no such file"):

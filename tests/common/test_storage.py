@@ -1,4 +1,5 @@
-"""Both object store backends behave the same; S3 runs against moto's server over HTTP."""
+"""Both object store backends behave the same; S3 runs over HTTP against moto's server and against rclone's
+(a Go implementation, as MinIO is)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,14 @@ import pytest
 from common.settings import Settings
 from common.storage import LocalObjectStore, ObjectNotFound, ObjectStore, S3ObjectStore, make_store
 
+S3_ENDPOINTS = ["s3_endpoint", "rclone_s3_endpoint"]
 
-@pytest.fixture(params=["local", "s3"])
+
+@pytest.fixture(params=["local", *S3_ENDPOINTS])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> ObjectStore:
     if request.param == "local":
         return LocalObjectStore(tmp_path / "objects")
-    endpoint = request.getfixturevalue("s3_endpoint")
+    endpoint = request.getfixturevalue(request.param)
     return S3ObjectStore(f"b-{uuid.uuid4().hex[:10]}", endpoint_url=endpoint, access_key_id="testing",
                          secret_access_key="testing", create_bucket=True)
 
@@ -43,7 +46,9 @@ def test_keys_that_leave_the_root_are_refused(store: ObjectStore, key: str) -> N
         store.put(key, b"x")
 
 
-def test_presigned_url_serves_the_object(s3_endpoint: str) -> None:
+@pytest.mark.parametrize("server", S3_ENDPOINTS)
+def test_presigned_url_serves_the_object(server: str, request: pytest.FixtureRequest) -> None:
+    s3_endpoint = request.getfixturevalue(server)
     store = S3ObjectStore(f"b-{uuid.uuid4().hex[:10]}", endpoint_url=s3_endpoint, access_key_id="testing",
                           secret_access_key="testing", create_bucket=True)
     store.put("results/job_1.json", b'{"ok": true}', content_type="application/json")
