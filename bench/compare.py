@@ -13,7 +13,9 @@ oneDNN-packed linears), (engine_compile) the engine with its decoder layers comp
 (bench/service_stack.py: each service its own process, with its own redis-server, Postgres cluster and the S3
 server), (service_batch) the same stack fed through the OpenAI Batch API instead: one JSONL upload, until the
 batch completed and its output file was written (bench/service_submit.py), (vllm) vLLM's offline
-`LLM.generate` (bench/peers).
+`LLM.generate` (bench/peers). The service's S3 server is moto's (`--s3 moto`, the tests' server) or rclone's
+(`--s3 rclone`, a Go server as MinIO is; tests/s3_server.py); `--s3 moto,rclone` runs each service system
+against both, side by side, labelled `service+moto`, `service+rclone`.
 Workloads: each model with one image per job, and the same prompts text-only, so the image tax shows: the
 extra wall time of the image jobs over the text jobs, against a batched vision forward of the same images
 alone. The machine: the GEMM peak in the run's dtype, measured in this run; the FLOPs each workload needs
@@ -49,6 +51,7 @@ import torch  # noqa: E402
 from engine import SPECS, WORDS, cpu_name, hf_one_at_a_time, hf_padded_batches, new_engine  # noqa: E402
 from PIL import Image  # noqa: E402
 
+from tests.s3_server import S3_SERVERS, S3Server  # noqa: E402
 from worker.engine.allocator import keep_freed_memory  # noqa: E402
 from worker.generation import GenerationRequest, SamplingParams  # noqa: E402
 from worker.model_loader import LoadedModel, load_model  # noqa: E402
@@ -123,7 +126,7 @@ def _data_url(image: Image.Image) -> str:
 
 def run_service(path: Path, jobs: list[GenerationRequest], threads: int, work: Path, s3_endpoint: str,
                 s3_pid: int, dtype: str = "float32", batch: bool = False, profile: Path | None = None,
-                profile_cpu: bool = False) -> Run:
+                profile_cpu: bool = False, label: str | None = None) -> Run:
     """Timed from the first byte sent to done (bench/service_submit.py: each job POSTed, or with `batch` one
     Batch API file, until every job succeeded, or the batch completed). Prints the CPU each part of the stack
     spent per job in that time. With `profile`, py-spy samples the API and the worker meanwhile, in whichever
@@ -145,6 +148,7 @@ def run_service(path: Path, jobs: list[GenerationRequest], threads: int, work: P
             bodies.append({"messages": messages, "max_tokens": job.sampling.max_tokens})
         custom_ids = [job.request_id for job in jobs]
         submission = (BatchSubmission if batch else JobSubmission)(stack, bodies, custom_ids)
+        name = label or submission.system
         sql = create_engine(stack.postgres.url)
         commits = text("SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = current_database()")
         with sql.connect() as conn:
@@ -186,21 +190,21 @@ def run_service(path: Path, jobs: list[GenerationRequest], threads: int, work: P
                  for name in ("vlmq_engine_steps_total", "vlmq_engine_vision_batch_size_count",
                               "vlmq_engine_vision_batch_size_sum")}
         vision = delta["vlmq_engine_vision_batch_size_count"]
-        print(f"  {submission.system} engine: {delta['vlmq_engine_steps_total']:.0f} steps"
+        print(f"  {name} engine: {delta['vlmq_engine_steps_total']:.0f} steps"
               + (f", {vision:.0f} vision batches of {delta['vlmq_engine_vision_batch_size_sum'] / vision:.1f} images"
                  if vision else ""))
         stages = {m["stage"]: value - metrics_before.get(name, 0.0) for name, value in metrics.items()
                   if (m := re.fullmatch(r"vlmq_worker_stage_cpu_seconds_total\{stage=(?P<stage>\w+)\}", name))}
         if stages:
-            print(f"  {submission.system} worker's job threads, CPU per job by stage (ms): "
+            print(f"  {name} worker's job threads, CPU per job by stage (ms): "
                   + ", ".join(f"{stage} {1000 * s / len(jobs):.2f}" for stage, s in stages.items()))
         spent = {name: cpu_after[name] - cpu_before[name] for name in cpu_before}
         spent["client"] = (client_after.user + client_after.system) - (client_before.user + client_before.system)
-        print(f"  {submission.system} CPU per job (ms): " + ", ".join(f"{name} {1000 * s / len(jobs):.1f}"
+        print(f"  {name} CPU per job (ms): " + ", ".join(f"{name} {1000 * s / len(jobs):.1f}"
                                                           for name, s in spent.items())
               + f"; total {sum(spent.values()):.2f}s of CPU in {seconds:.2f}s wall; "
               + f"{transactions / len(jobs):.1f} Postgres transactions per job")
-        print(f"  {submission.system} timeline (s after the first job was written): "
+        print(f"  {name} timeline (s after the first job was written): "
               + "last written {:.2f}, claimed {:.2f}-{:.2f}, finished {:.2f}-{:.2f}".format(*(float(x) for x in spans)))
         texts = submission.texts()
         submission.close()
@@ -209,7 +213,7 @@ def run_service(path: Path, jobs: list[GenerationRequest], threads: int, work: P
                                if re.search(r"\b(WARNING|ERROR|CRITICAL)\b", line))
             for line, n in problems.most_common(5):
                 print(f"  {part} logged {n}x: {line}")
-        return Run(submission.system, seconds, texts)  # type: ignore[arg-type]
+        return Run(name, seconds, texts)  # type: ignore[arg-type]
     except Exception:
         for name in stack.processes:
             print(f"--- {name} log tail ---\n{stack.log(name)[-2000:]}")
@@ -338,6 +342,8 @@ def main() -> None:
                         help="every system's weights, activations and KV cache, and the GEMM peak's operands")
     parser.add_argument("--service-threads", type=int, default=None,
                         help="the service worker's engine threads (default: --threads)")
+    parser.add_argument("--s3", default="moto",
+                        help="the service's S3 server(s), comma-separated: moto, rclone (tests/s3_server.py)")
     parser.add_argument("--plot", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--profile", type=Path, default=None, help="py-spy the service's API and worker: prefix")
@@ -348,6 +354,9 @@ def main() -> None:
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     keep_freed_memory()
     systems = args.systems.split(",")
+    s3_kinds = args.s3.split(",")
+    if unknown := set(s3_kinds) - set(S3_SERVERS):
+        parser.error(f"--s3: unknown server(s) {', '.join(sorted(unknown))}; one of {', '.join(S3_SERVERS)}")
     dtype = getattr(torch, args.dtype)
     rates = gemm_peak_gflops(dtype=dtype)
     peak = max(rates.values())
@@ -356,15 +365,11 @@ def main() -> None:
     table: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        moto = None
-        if {"service", "service_batch"} & set(systems):
-            from tests.fault_stack import free_port, port_open, wait_for
-
-            port = free_port()
-            moto = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            wait_for(lambda: port_open(port), 30, "the S3 server")
+        s3_servers: dict[str, S3Server] = {}
         try:
+            if {"service", "service_batch"} & set(systems):
+                for kind in s3_kinds:
+                    s3_servers[kind] = S3Server(kind)
             for name in args.models.split(","):
                 path = build_tiny_llava(work / name, seed=0, spec=MODELS[name])
                 loaded = load_model(str(path), dtype=dtype)
@@ -386,12 +391,16 @@ def main() -> None:
                             elif system in ("hf1", "hfb"):
                                 run = run_hf(loaded, jobs, system == "hfb")
                             elif system in ("service", "service_batch"):
-                                run = run_service(path, jobs, args.service_threads or args.threads,
-                                                  work / f"svc-{name}-{kind}-{rep}",
-                                                  f"http://127.0.0.1:{port}", moto.pid,  # type: ignore[union-attr]
-                                                  dtype=args.dtype, batch=system == "service_batch",
-                                                  profile=args.profile and Path(f"{args.profile}-{name}-{kind}"),
-                                                  profile_cpu=args.profile_cpu)
+                                for s3_kind, s3 in s3_servers.items():
+                                    label = system if s3_kinds == ["moto"] else f"{system}+{s3_kind}"
+                                    run = run_service(path, jobs, args.service_threads or args.threads,
+                                                      work / f"svc-{name}-{kind}-{rep}-{s3_kind}", s3.endpoint,
+                                                      s3.pid, dtype=args.dtype, batch=system == "service_batch",
+                                                      profile=args.profile
+                                                      and Path(f"{args.profile}-{name}-{kind}-{s3_kind}"),
+                                                      profile_cpu=args.profile_cpu, label=label)
+                                    repeats.setdefault(label, []).append(run)
+                                run = None
                             elif system == "vllm":
                                 run = run_vllm(path, loaded, jobs, args.threads, work / f"vllm-{name}-{kind}-{rep}",
                                                args.dtype)
@@ -420,14 +429,14 @@ def main() -> None:
                 images = [j.images[0] for j in make_jobs(args.jobs, True, args.max_tokens)]
                 vision = vision_only_seconds(loaded, images)
                 print(f"\nimage tax ({name}): batched vision alone {vision:.2f}s for {args.jobs} images")
-                for system in systems:
+                for system in dict.fromkeys(system for system, _ in seconds_by):
                     if (system, "image") in seconds_by and (system, "text") in seconds_by:
                         extra = seconds_by[(system, "image")] - seconds_by[(system, "text")]
                         print(f"  {system:<8} image jobs took {extra:+.2f}s over text jobs = "
                               f"{extra / vision:.2f}x the vision time")
         finally:
-            if moto is not None:
-                moto.terminate()
+            for s3 in s3_servers.values():
+                s3.close()
     if args.json:
         args.json.write_text(json.dumps({"dtype": args.dtype, "peak_gflops": peak, "gemm_gflops": rates,
                                          "rows": table}, indent=2))

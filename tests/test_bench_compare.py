@@ -16,35 +16,40 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_service_runs_agree_with_the_engine_and_account_cpu(tmp_path: Path) -> None:
     """Both ways in: each job POSTed (service), and one Batch API file (service_batch), whose texts come back
-    from the batch's output file; every job starts with the same system prompt."""
+    from the batch's output file; every job starts with the same system prompt. Each against both S3 servers
+    (moto's, and rclone's Go one), labelled by server."""
     out = tmp_path / "compare.json"
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "compare.py"), "--jobs", "6", "--models", "tiny",
                           "--systems", "engine,service,service_batch", "--max-tokens", "6", "--json", str(out),
-                          "--system-prompt", "You label images. Answer in one short sentence."],
+                          "--system-prompt", "You label images. Answer in one short sentence.", "--s3", "moto,rclone"],
                          capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    for system in ("service", "service_batch"):
+    assert {r["system"] for r in rows} == {"engine", "service+moto", "service+rclone", "service_batch+moto",
+                                           "service_batch+rclone"}
+    for system in ("service+moto", "service+rclone", "service_batch+moto", "service_batch+rclone"):
         service = [r for r in rows if r["system"] == system]
         assert {r["kind"] for r in service} == {"image", "text"}
         assert all(r["agreement"] == "6/6" and r["jobs_per_s"] > 0 for r in service), service
-        cpu_lines = re.findall(rf"^  {system} CPU per job \(ms\): (.*?);", run.stdout, re.M)
+        cpu_lines = re.findall(rf"^  {re.escape(system)} CPU per job \(ms\): (.*?);", run.stdout, re.M)
         assert len(cpu_lines) == 2
         for line in cpu_lines:
             parts = dict(item.rsplit(" ", 1) for item in line.split(", "))
             assert set(parts) == {"api", "maintenance", "worker", "engine", "postgres", "redis", "s3", "client"}
-            assert all(float(parts[name]) > 0 for name in ("worker", "engine", "api", "s3")), parts
+            # /proc counts CPU in 10 ms ticks: rclone's server may spend less than one on 6 jobs.
+            busy = ("worker", "engine", "api") + (("s3",) if system.endswith("+moto") else ())
+            assert all(float(parts[name]) > 0 for name in busy), parts
         # The batch's rows are written and dispatched by the ingest worker (maintenance here), and it writes
         # the output file.
-        if system == "service_batch":
+        if system.startswith("service_batch"):
             assert all(float(dict(item.rsplit(" ", 1) for item in line.split(", "))["maintenance"]) > 0
                        for line in cpu_lines), cpu_lines
-        timelines = re.findall(rf"^  {system} timeline .* claimed [\d.]+-[\d.]+, finished [\d.]+-[\d.]+", run.stdout,
-                               re.M)
+        timelines = re.findall(rf"^  {re.escape(system)} timeline .* claimed [\d.]+-[\d.]+, finished [\d.]+-[\d.]+",
+                               run.stdout, re.M)
         assert len(timelines) == 2, run.stdout
         # The engine's steps in the service (read from the worker's Prometheus port): 6 jobs of 6 tokens take
         # at least 6 steps, and the image run's jobs went through at least one vision batch.
-        inside = re.findall(rf"^  {system} engine: (\d+) steps(?:, (\d+) vision batches)?", run.stdout, re.M)
+        inside = re.findall(rf"^  {re.escape(system)} engine: (\d+) steps(?:, (\d+) vision batches)?", run.stdout, re.M)
         assert len(inside) == 2 and all(int(steps) >= 6 for steps, _ in inside), run.stdout
         assert int(inside[0][1] or 0) >= 1, run.stdout  # images run first
     alone = [int(n) for n in re.findall(r"engine alone: [\d.]+ ms of CPU per job, (\d+) steps", run.stdout)]
