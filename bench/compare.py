@@ -15,7 +15,9 @@ server), (service_batch) the same stack fed through the OpenAI Batch API instead
 batch completed and its output file was written (bench/service_submit.py), (vllm) vLLM's offline
 `LLM.generate` (bench/peers). The service's S3 server is moto's (`--s3 moto`, the tests' server) or rclone's
 (`--s3 rclone`, a Go server as MinIO is; tests/s3_server.py); `--s3 moto,rclone` runs each service system
-against both, side by side, labelled `service+moto`, `service+rclone`.
+against both, side by side, labelled `service+moto`, `service+rclone`. `--service-set LABEL:KEY=VALUE,...` adds a
+service system run with those settings on top (VLMQ_KEY=VALUE in each process), labelled `service+LABEL`, so a
+setting's effect is measured side by side: `--service-set nofreeze:gc_freeze=false`.
 Workloads: each model with one image per job, and the same prompts text-only, so the image tax shows: the
 extra wall time of the image jobs over the text jobs, against a batched vision forward of the same images
 alone. The machine: the GEMM peak in the run's dtype, measured in this run; the FLOPs each workload needs
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import base64
 import io
+import itertools
 import json
 import os
 import random
@@ -126,7 +129,7 @@ def _data_url(image: Image.Image) -> str:
 
 def run_service(path: Path, jobs: list[GenerationRequest], threads: int, work: Path, s3_endpoint: str,
                 s3_pid: int, dtype: str = "float32", batch: bool = False, profile: Path | None = None,
-                profile_cpu: bool = False, label: str | None = None) -> Run:
+                profile_cpu: bool = False, label: str | None = None, settings: dict[str, str] | None = None) -> Run:
     """Timed from the first byte sent to done (bench/service_submit.py: each job POSTed, or with `batch` one
     Batch API file, until every job succeeded, or the batch completed). Prints the CPU each part of the stack
     spent per job in that time. With `profile`, py-spy samples the API and the worker meanwhile, in whichever
@@ -137,7 +140,7 @@ def run_service(path: Path, jobs: list[GenerationRequest], threads: int, work: P
     from sqlalchemy import create_engine, text
 
     stack = ServiceStack(work, s3_endpoint, path, device="cpu", dtype=dtype, kv_num_blocks=8192,
-                         max_num_seqs=256, max_num_batched_tokens=4096, sweep_interval_seconds=5)
+                         max_num_seqs=256, max_num_batched_tokens=4096, sweep_interval_seconds=5, **(settings or {}))
     try:
         stack.start(worker_concurrency=256, worker_threads=threads)
         bodies = []
@@ -344,6 +347,8 @@ def main() -> None:
                         help="the service worker's engine threads (default: --threads)")
     parser.add_argument("--s3", default="moto",
                         help="the service's S3 server(s), comma-separated: moto, rclone (tests/s3_server.py)")
+    parser.add_argument("--service-set", action="append", default=[], metavar="LABEL:KEY=VALUE,...",
+                        help="also run each service system with these settings, labelled service+LABEL")
     parser.add_argument("--plot", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--profile", type=Path, default=None, help="py-spy the service's API and worker: prefix")
@@ -357,6 +362,15 @@ def main() -> None:
     s3_kinds = args.s3.split(",")
     if unknown := set(s3_kinds) - set(S3_SERVERS):
         parser.error(f"--s3: unknown server(s) {', '.join(sorted(unknown))}; one of {', '.join(S3_SERVERS)}")
+    variants: dict[str, dict[str, str]] = {"": {}}
+    for spec in args.service_set:
+        label, _, pairs = spec.partition(":")
+        try:
+            variants[label] = dict(pair.split("=", 1) for pair in pairs.split(","))
+        except ValueError:
+            parser.error(f"--service-set {spec!r}: expected LABEL:KEY=VALUE[,KEY=VALUE...]")
+        if not label or not re.fullmatch(r"[a-z0-9_]+", label):
+            parser.error(f"--service-set {spec!r}: the label must be lower-case letters, digits and _")
     dtype = getattr(torch, args.dtype)
     rates = gemm_peak_gflops(dtype=dtype)
     peak = max(rates.values())
@@ -391,14 +405,16 @@ def main() -> None:
                             elif system in ("hf1", "hfb"):
                                 run = run_hf(loaded, jobs, system == "hfb")
                             elif system in ("service", "service_batch"):
-                                for s3_kind, s3 in s3_servers.items():
+                                for (s3_kind, s3), (variant, settings) in itertools.product(
+                                        s3_servers.items(), variants.items()):
                                     label = system if s3_kinds == ["moto"] else f"{system}+{s3_kind}"
+                                    label += f"+{variant}" if variant else ""
+                                    tag = f"{name}-{kind}-{s3_kind}" + (f"-{variant}" if variant else "")
                                     run = run_service(path, jobs, args.service_threads or args.threads,
-                                                      work / f"svc-{name}-{kind}-{rep}-{s3_kind}", s3.endpoint,
+                                                      work / f"svc-{tag}-{rep}", s3.endpoint,
                                                       s3.pid, dtype=args.dtype, batch=system == "service_batch",
-                                                      profile=args.profile
-                                                      and Path(f"{args.profile}-{name}-{kind}-{s3_kind}"),
-                                                      profile_cpu=args.profile_cpu, label=label)
+                                                      profile=args.profile and Path(f"{args.profile}-{tag}"),
+                                                      profile_cpu=args.profile_cpu, label=label, settings=settings)
                                     repeats.setdefault(label, []).append(run)
                                 run = None
                             elif system == "vllm":
@@ -413,7 +429,7 @@ def main() -> None:
                     n_tokens = sum(generated)
                     print(f"\n## {name}, {kind} jobs: {args.jobs} jobs, max_tokens {args.max_tokens}, "
                           f"{n_tokens} tokens generated, {flops / 1e9:.1f} GFLOP of work")
-                    print(f"{'system':<16}{'seconds':>9}{'jobs/s':>9}{'tok/s':>9}{'vs engine':>11}{'of peak':>9}"
+                    print(f"{'system':<24}{'seconds':>9}{'jobs/s':>9}{'tok/s':>9}{'vs engine':>11}{'of peak':>9}"
                           f"{'same as ' + reference.system:>16}   seconds of each repeat")
                     for run in runs:
                         seconds_by[(run.system, kind)] = run.seconds
@@ -423,7 +439,7 @@ def main() -> None:
                                "agreement": agreement(run, reference, loaded)}
                         table.append(row)
                         row["repeats"] = [r.seconds for r in repeats[run.system]]
-                        print(f"{run.system:<16}{run.seconds:>9.2f}{row['jobs_per_s']:>9.1f}{row['tokens_per_s']:>9.0f}"
+                        print(f"{run.system:<24}{run.seconds:>9.2f}{row['jobs_per_s']:>9.1f}{row['tokens_per_s']:>9.0f}"
                               f"{engine_run.seconds / run.seconds:>10.2f}x{100 * row['of_peak']:>8.1f}%"
                               f"{row['agreement']:>16}   {' '.join(f'{x:.2f}' for x in row['repeats'])}")
                 images = [j.images[0] for j in make_jobs(args.jobs, True, args.max_tokens)]

@@ -7,13 +7,16 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from common.api_client import ApiUrl, api_client
 from common.logs import celery_flags, route_library_logs, setup_process_logging, uvicorn_log_config
 from common.worker_registry import start_heartbeat
+
+if TYPE_CHECKING:
+    from common.settings import Settings
 
 app = typer.Typer(help="vlmq: batch inference for vision-language models.", no_args_is_help=True,
                   pretty_exceptions_enable=False)
@@ -25,6 +28,14 @@ def _settings(**overrides: object):  # type: ignore[no-untyped-def]
     from common.settings import Settings
 
     return Settings(**{k: v for k, v in overrides.items() if v is not None})
+
+
+def _started(settings: Settings) -> None:
+    """The process has built what it keeps for its life: freeze it out of the garbage collector's scans."""
+    if settings.gc_freeze:
+        from common.heap import freeze_startup_heap
+
+        freeze_startup_heap()
 
 
 @app.command()
@@ -60,9 +71,12 @@ def api(
         celery_app = make_celery(settings)
         fastapi_app.state.vlmq.celery = celery_app  # the API and the worker must share the in-memory broker
         with embedded_worker(celery_app, settings):
+            _started(settings)
             uvicorn.run(fastapi_app, host=host, port=port, log_config=uvicorn_log_config(settings.log_format))
         return
-    uvicorn.run(create_app(settings), host=host, port=port, log_config=uvicorn_log_config(settings.log_format))
+    fastapi_app = create_app(settings)
+    _started(settings)
+    uvicorn.run(fastapi_app, host=host, port=port, log_config=uvicorn_log_config(settings.log_format))
 
 
 @app.command()
@@ -89,6 +103,7 @@ def worker(
     if settings.metrics_port and context.telemetry is not None:
         context.telemetry.serve(settings.metrics_port)
     queues = [settings.job_queue] + ([ingest_queue(settings)] if ingest else [])
+    _started(settings)
     celery_app.worker_main([*celery_flags(settings.log_format),
         "worker", "--pool=threads", f"--concurrency={settings.worker_concurrency}", f"--queues={','.join(queues)}",
         f"--loglevel={loglevel}", "--without-gossip", "--without-mingle", f"--hostname=vlmq-{settings.job_queue}@%h",
@@ -118,6 +133,7 @@ def ingest_worker(
     if beat:
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         argv += ["--beat", f"--schedule={settings.data_dir / 'celerybeat-schedule'}"]
+    _started(settings)
     celery_app.worker_main(argv)
 
 

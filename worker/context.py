@@ -99,7 +99,7 @@ def engine_process(settings: Settings) -> Generator | None:
     spec = EngineSpec(model=settings.model, device=settings.device, dtype=settings.dtype,
                       config=engine_config(settings), log_format=settings.log_format,
                       log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()),
-                      nice=settings.engine_nice)
+                      nice=settings.engine_nice, gc_freeze=settings.gc_freeze)
     return EngineProcess(spec, front=front)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -45,7 +46,8 @@ def test_embedded_api_submit_wait_and_status(tmp_path: Path, tiny_llava_path: Pa
     log = (tmp_path / "api.log").open("wb")
     server = subprocess.Popen(
         [sys.executable, "-m", "common.cli", "api", "--port", str(port), "--model", str(tiny_llava_path)],
-        env=env, stdout=log, stderr=subprocess.STDOUT,
+        # json: the INFO lines of our own loggers are written too, not only uvicorn's.
+        env={**env, "VLMQ_LOG_FORMAT": "json"}, stdout=log, stderr=subprocess.STDOUT,
     )
     try:
         wait_for_port(port, timeout=120, proc=server)
@@ -68,5 +70,12 @@ def test_embedded_api_submit_wait_and_status(tmp_path: Path, tiny_llava_path: Pa
         server.terminate()
         server.wait(30)
         log.close()
+    # Started up, the process froze its heap out of the garbage collector's scans (VLMQ_GC_FREEZE's default),
+    # and so did the engine process it runs.
+    text = (tmp_path / "api.log").read_text()
+    frozen = re.search(r"start-up heap frozen: (\d+) objects", text)
+    assert frozen and int(frozen[1]) > 50_000, text[-3000:]
+    child = re.search(r"engine process \d+ ready: .*'gc_frozen_objects': (\d+)", text)
+    assert child and int(child[1]) > 50_000, text[-3000:]
 
 

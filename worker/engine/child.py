@@ -67,8 +67,13 @@ def run_engine_child(conn: Connection) -> None:
         log.exception("engine process could not build the engine")
         channel.send(("failed", f"{type(exc).__name__}: {exc}"))
         return
-    channel.send(("ready", {"pid": os.getpid(),
-                            "num_kv_blocks": service.engine.block_manager.num_free_blocks}))
+    frozen = 0
+    if spec.gc_freeze:
+        from common.heap import freeze_startup_heap
+
+        frozen = freeze_startup_heap()
+    channel.send(("ready", {"pid": os.getpid(), "num_kv_blocks": service.engine.block_manager.num_free_blocks,
+                            "gc_frozen_objects": frozen}))
     stop = threading.Event()
     report_lock = threading.Lock()
     vision_seen = 0

@@ -53,6 +53,7 @@ class EngineSpec:
     log_format: str = "text"
     log_level: str = "INFO"
     nice: int = 0  # added to the child's niceness (settings.engine_nice)
+    gc_freeze: bool = False  # freeze the child's heap once the engine is built (settings.gc_freeze, common/heap.py)
 
 
 class EngineDied(RuntimeError):
@@ -82,6 +83,7 @@ class EngineProcess:
         self.num_restarts = 0
         self._start_timeout = start_timeout
         self._started_at = 0.0
+        self.ready_info: dict[str, object] = {}  # what the child said when it was ready (the latest child's)
         self._process, self._channel = self._spawn()
         self._ready.set()
         self._supervisor = threading.Thread(target=self._supervise, name="vlmq-engine-supervisor", daemon=True)
@@ -164,6 +166,7 @@ class EngineProcess:
             channel.close()
             raise
         log.info("engine process %s ready: %s", process.pid, info)
+        self.ready_info = dict(info)  # type: ignore[call-overload]
         self._started_at = time.monotonic()
         return process, channel
 

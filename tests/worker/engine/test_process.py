@@ -40,9 +40,12 @@ def test_threads_get_the_tokens_the_engine_gives_in_process(fixture: str, reques
     path: Path = request.getfixturevalue(fixture)
     requests = make_requests(10, seed=41)  # text, one image, two images; M-RoPE positions for qwen2_vl
     expected = {r.request_id: r.token_ids for r in Engine(load_model(str(path)), CONFIG).generate(requests)}
-    process = EngineProcess(spec_for(path))
+    process = EngineProcess(replace(spec_for(path), gc_freeze=True))  # as a worker starts it (VLMQ_GC_FREEZE)
     try:
         assert process.pid != os.getpid()
+        # The child froze what building the engine left (torch, transformers, the model) out of its collector's
+        # scans before taking requests; the tokens below are the same.
+        assert process.ready_info["gc_frozen_objects"] > 50_000  # type: ignore[operator]
         with ThreadPoolExecutor(5) as pool:
             results = list(pool.map(lambda r: process.submit(process.prepare(r)).result(timeout=120), requests))
     finally:
@@ -52,6 +55,7 @@ def test_threads_get_the_tokens_the_engine_gives_in_process(fixture: str, reques
 
 
 def test_prepare_needs_no_weights(llava_process: EngineProcess) -> None:
+    assert llava_process.ready_info["gc_frozen_objects"] == 0  # not asked for by its spec
     assert llava_process._front.device.type == "meta"
     prepared = llava_process.prepare(make_requests(1, seed=42, shared_image=None)[0])
     assert prepared.request.images == []  # the pixels cross the pipe, the PIL images do not
