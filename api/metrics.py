@@ -24,6 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.deps import AppState
 from common.broker_stats import queue_depths
+from common.gc_pauses import GcPauseCollector
 from common.models import Batch, Job
 from common.worker_registry import WorkerRegistry
 
@@ -43,6 +44,7 @@ class ApiMetrics:
         self.latency = Histogram("vlmq_http_request_duration_seconds", "HTTP request latency by route.",
                                  ["method", "route"], buckets=LATENCY_BUCKETS, registry=self.registry)
         self.registry.register(_StateCollector(state, registry))
+        self.registry.register(GcPauseCollector())
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -87,6 +87,10 @@ def test_the_compose_commands_complete_a_batch(compose_stack: LocalStack) -> Non
     # The API's /metrics: jobs by status from SQL, every process of the stack alive.
     api = metric_values(httpx.get(stack.url + "/metrics", timeout=30).text)
     assert api[("vlmq_jobs", (("status", "succeeded"),))] >= 6
+    # Both processes say how long their garbage collections stopped them: the young generation has run.
+    for process in (worker, api):
+        assert process[("vlmq_gc_pauses_total", (("generation", "0"),))] >= 1
+        assert all(process[("vlmq_gc_pause_seconds_total", (("generation", g),))] >= 0 for g in "012")
     for role in ("worker", "ingest", "beat"):
         assert api[("vlmq_processes", (("role", role),))] == 1, role
 

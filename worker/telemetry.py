@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from common.gc_pauses import GcPauseCollector
 from common.queue import TASK_RUN_JOB
 from common.settings import Settings
 from common.worker_registry import Heartbeat, WorkerRegistry
@@ -60,6 +61,7 @@ class WorkerTelemetry:
         self.jobs_per_s = 0.0
         self.registry = CollectorRegistry()
         self.registry.register(_Collector(self))
+        self.registry.register(GcPauseCollector())
         self._heartbeat: Heartbeat | None = None
         self._server: Any = None
 
