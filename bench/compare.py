@@ -201,6 +201,13 @@ def run_service(path: Path, jobs: list[GenerationRequest], threads: int, work: P
         if stages:
             print(f"  {name} worker's job threads, CPU per job by stage (ms): "
                   + ", ".join(f"{stage} {1000 * s / len(jobs):.2f}" for stage, s in stages.items()))
+        pauses = [(metrics.get(f"vlmq_gc_pauses_total{{generation={g}}}", 0.0)
+                   - metrics_before.get(f"vlmq_gc_pauses_total{{generation={g}}}", 0.0),
+                   metrics.get(f"vlmq_gc_pause_seconds_total{{generation={g}}}", 0.0)
+                   - metrics_before.get(f"vlmq_gc_pause_seconds_total{{generation={g}}}", 0.0)) for g in range(3)]
+        print(f"  {name} worker's garbage collections: "
+              + ", ".join(f"generation {g} {n:.0f} ({1000 * s:.1f} ms)" for g, (n, s) in enumerate(pauses))
+              + f"; {metrics.get('vlmq_gc_frozen_objects', 0.0):.0f} objects frozen")
         spent = {name: cpu_after[name] - cpu_before[name] for name in cpu_before}
         spent["client"] = (client_after.user + client_after.system) - (client_before.user + client_before.system)
         print(f"  {name} CPU per job (ms): " + ", ".join(f"{name} {1000 * s / len(jobs):.1f}"

@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 GENERATIONS = (0, 1, 2)
@@ -67,3 +67,5 @@ class GcPauseCollector(Collector):
             count.add_metric([str(generation)], self.clock.collections[generation])
         yield seconds
         yield count
+        yield GaugeMetricFamily("vlmq_gc_frozen_objects", "Objects frozen out of the collector's scans at start-up "
+                                "(VLMQ_GC_FREEZE, common/heap.py).", value=gc.get_freeze_count())

@@ -57,6 +57,31 @@ def test_service_runs_agree_with_the_engine_and_account_cpu(tmp_path: Path) -> N
     assert "logged" not in run.stdout, run.stdout  # no part warned or failed on the way
 
 
+def test_a_service_variant_runs_beside_the_service_with_its_settings(tmp_path: Path) -> None:
+    """--service-set LABEL:KEY=VALUE: the same jobs through a stack whose processes got VLMQ_KEY=VALUE, labelled
+    service+LABEL; each run says how long the worker's garbage collections took. A bad spec is refused."""
+    out = tmp_path / "compare.json"
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "compare.py"), "--jobs", "4", "--models", "tiny",
+                          "--systems", "engine,service", "--max-tokens", "4", "--json", str(out),
+                          "--service-set", "nofreeze:gc_freeze=false"],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["system"] for r in rows} == {"engine", "service", "service+nofreeze"}
+    assert all(r["agreement"] == "4/4" for r in rows if r["system"] != "engine"), rows
+    for system in ("service", "service+nofreeze"):
+        lines = re.findall(rf"^  {re.escape(system)} worker's garbage collections: generation 0 \d+ \([\d.]+ ms\), "
+                           r"generation 1 \d+ \([\d.]+ ms\), generation 2 \d+ \([\d.]+ ms\); (\d+) objects frozen$",
+                           run.stdout, re.M)
+        assert len(lines) == 2, run.stdout
+        # The variant's processes had its settings: its worker froze nothing, the default one its start-up heap.
+        assert all((int(n) == 0) == (system == "service+nofreeze") for n in lines), (system, lines)
+    for bad in ("nofreeze", "Bad:gc_freeze=false", ":gc_freeze=false"):
+        refused = subprocess.run([sys.executable, str(ROOT / "bench" / "compare.py"), "--systems", "engine",
+                                  "--service-set", bad], capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert refused.returncode == 2 and "--service-set" in refused.stderr, refused.stderr
+
+
 def _code_copy(tmp_path: Path) -> Path:
     """A second copy of the code, as a bench's `--code DIR` takes it."""
     copy = tmp_path / "code"
