@@ -189,9 +189,11 @@ def run_service(path: Path, jobs: list[GenerationRequest], threads: int, work: P
             transactions = conn.execute(commits).scalar_one() - transactions_before
             metrics = stack.worker_metrics()  # the engine's counters reached the worker by now (idle snapshot)
         sql.dispose()
+        gc_counters = [f"vlmq_gc_{kind}_total{{generation={g}}}"
+                       for g in range(3) for kind in ("pauses", "pause_seconds")]
         delta = {name: metrics.get(name, 0.0) - metrics_before.get(name, 0.0)
                  for name in ("vlmq_engine_steps_total", "vlmq_engine_vision_batch_size_count",
-                              "vlmq_engine_vision_batch_size_sum")}
+                              "vlmq_engine_vision_batch_size_sum", *gc_counters)}
         vision = delta["vlmq_engine_vision_batch_size_count"]
         print(f"  {name} engine: {delta['vlmq_engine_steps_total']:.0f} steps"
               + (f", {vision:.0f} vision batches of {delta['vlmq_engine_vision_batch_size_sum'] / vision:.1f} images"
@@ -201,12 +203,10 @@ def run_service(path: Path, jobs: list[GenerationRequest], threads: int, work: P
         if stages:
             print(f"  {name} worker's job threads, CPU per job by stage (ms): "
                   + ", ".join(f"{stage} {1000 * s / len(jobs):.2f}" for stage, s in stages.items()))
-        pauses = [(metrics.get(f"vlmq_gc_pauses_total{{generation={g}}}", 0.0)
-                   - metrics_before.get(f"vlmq_gc_pauses_total{{generation={g}}}", 0.0),
-                   metrics.get(f"vlmq_gc_pause_seconds_total{{generation={g}}}", 0.0)
-                   - metrics_before.get(f"vlmq_gc_pause_seconds_total{{generation={g}}}", 0.0)) for g in range(3)]
         print(f"  {name} worker's garbage collections: "
-              + ", ".join(f"generation {g} {n:.0f} ({1000 * s:.1f} ms)" for g, (n, s) in enumerate(pauses))
+              + ", ".join(f"generation {g} {delta[f'vlmq_gc_pauses_total{{generation={g}}}']:.0f} "
+                          f"({1000 * delta[f'vlmq_gc_pause_seconds_total{{generation={g}}}']:.1f} ms)"
+                          for g in range(3))
               + f"; {metrics.get('vlmq_gc_frozen_objects', 0.0):.0f} objects frozen")
         spent = {name: cpu_after[name] - cpu_before[name] for name in cpu_before}
         spent["client"] = (client_after.user + client_after.system) - (client_before.user + client_before.system)
