@@ -26,6 +26,11 @@ SOURCE = Path(__file__).parent / "csrc" / "paged_decode_attention.cpp"
 PagedDecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float],
                                 torch.Tensor]
 
+# Reassociation lets the softmax's sums and its exp (exp_nonpositive) vectorise: 1.12-1.15x the kernel built
+# without it, on the bench's shapes. Not -ffast-math: that also assumes no infinities or NaNs, and linking with
+# it sets flush-to-zero for the whole process, changing every other op's numbers.
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
+
 _lock = threading.Lock()
 _loaded: dict[str, PagedDecodeAttention | None] = {}
 
@@ -52,7 +57,8 @@ def paged_decode_attention() -> PagedDecodeAttention | None:
 def _build() -> PagedDecodeAttention | None:
     from torch.utils import cpp_extension
 
-    digest = hashlib.sha256(SOURCE.read_bytes() + _cpu_signature().encode() + torch.__version__.encode())
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode() + _cpu_signature().encode()
+                            + torch.__version__.encode())
     name = f"vlmq_paged_attention_{digest.hexdigest()[:12]}"  # a new source, CPU or torch gets a new build
     build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
     built = build_dir / f"{name}.so"
@@ -69,8 +75,8 @@ def _build() -> PagedDecodeAttention | None:
         except ImportError:
             pass
         log.info("building the CPU attention kernel %s (once per machine, ~30 s)", name)
-        module = cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=["-O3", "-march=native",
-                                    "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+        module = cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+                                    verbose=False)
     except Exception as exc:  # no compiler or headers: the torch path serves, slower
         log.warning("CPU attention kernel not available (%s: %s); using the pure-torch path", type(exc).__name__, exc)
         return None

@@ -55,6 +55,24 @@ def test_decode_kernel_matches_gather_and_sdpa(kernel: cpu_kernels.PagedDecodeAt
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("sharpness", [1e-3, 1.0, 30.0, 1e3])
+def test_decode_kernel_softmax_over_any_score_range(kernel: cpu_kernels.PagedDecodeAttention,
+                                                    sharpness: float) -> None:
+    """The kernel's own exp (exp_nonpositive, clamped below -87): near-uniform weights, ordinary ones, and
+    scores hundreds apart, where all but the best keys weigh (almost) nothing."""
+    gen = torch.Generator().manual_seed(7)
+    batch, heads, dim, block_size, width = 6, 4, 32, 8, 6
+    k_cache = torch.randn(40, block_size, heads, dim, generator=gen)
+    v_cache = torch.randn(40, block_size, heads, dim, generator=gen)
+    tables = torch.randperm(40, generator=gen)[: batch * width].view(batch, width)
+    lens = torch.tensor([1, 7, 8, 9, 33, 48])
+    q = torch.randn(batch, heads, dim, generator=gen) * sharpness
+    got = kernel(q, k_cache, v_cache, tables, lens, dim**-0.5)
+    want = _gather_sdpa(q, k_cache, v_cache, tables, lens, dim**-0.5)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
 def test_kernel_refuses_bad_shapes(kernel: cpu_kernels.PagedDecodeAttention) -> None:
     cache = torch.zeros(4, 16, 3, 8)
     table = torch.zeros(1, 1, dtype=torch.long)
