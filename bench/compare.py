@@ -395,10 +395,12 @@ def main() -> None:
                 path = build_tiny_llava(work / name, seed=0, spec=MODELS[name])
                 loaded = load_model(str(path), dtype=dtype)
                 seconds_by: dict[tuple[str, str], float] = {}
+                flops_by: dict[str, float] = {}
                 for kind in ("image", "text"):
                     jobs = make_jobs(args.jobs, kind == "image", args.max_tokens, system=args.system_prompt)
                     first_engine, prompt_tokens, generated = run_engine(path, jobs, dtype)
                     flops = workload_flops(loaded, prompt_tokens, generated, args.jobs if kind == "image" else 0)
+                    flops_by[kind] = flops
                     repeats: dict[str, list[Run]] = {}
                     for rep in range(args.repeats):  # systems alternate, so drifts of the machine hit all alike
                         for system in systems:
@@ -452,11 +454,20 @@ def main() -> None:
                 images = [j.images[0] for j in make_jobs(args.jobs, True, args.max_tokens)]
                 vision = vision_only_seconds(loaded, images)
                 print(f"\nimage tax ({name}): batched vision alone {vision:.2f}s for {args.jobs} images")
+                # The image tokens also pass through the LM (prefill, then every decode step attends to them):
+                # work that no scheduling of the vision tower removes. Its floor is that work at the GEMM peak.
+                vision_flops = workload_flops(loaded, [], [], args.jobs)
+                lm_extra = flops_by["image"] - flops_by["text"] - vision_flops
+                floor = vision + lm_extra / (peak * 1e9)
+                print(f"  image jobs need {(flops_by['image'] - flops_by['text']) / 1e9:.3f} GFLOP more than text "
+                      f"jobs: vision {vision_flops / 1e9:.3f}, their image tokens through the LM "
+                      f"{lm_extra / 1e9:.3f} ({lm_extra / (peak * 1e9):.3f}s at the peak); floor of the tax "
+                      f"{floor:.3f}s")
                 for system in dict.fromkeys(system for system, _ in seconds_by):
                     if (system, "image") in seconds_by and (system, "text") in seconds_by:
                         extra = seconds_by[(system, "image")] - seconds_by[(system, "text")]
                         print(f"  {system:<8} image jobs took {extra:+.2f}s over text jobs = "
-                              f"{extra / vision:.2f}x the vision time")
+                              f"{extra / vision:.2f}x the vision time, {extra / floor:.2f}x the floor")
         finally:
             for s3 in s3_servers.values():
                 s3.close()

@@ -105,6 +105,15 @@ def test_bf16_runs_every_system_in_bf16(tmp_path: Path) -> None:
     rows = report["rows"]
     assert {(r["system"], r["kind"]) for r in rows} == {(s, k) for s in ("engine", "hfb") for k in ("image", "text")}
     assert all(r["jobs_per_s"] > 0 and re.fullmatch(r"ref|\d/4", r["agreement"]) for r in rows), rows
+    # The image tax's floor: the vision tower plus the image tokens' LM work, which add up to the extra FLOPs.
+    need = re.search(r"^  image jobs need ([\d.]+) GFLOP more than text jobs: vision ([\d.]+), their image tokens "
+                     r"through the LM ([\d.]+) \(([\d.]+)s at the peak\); floor of the tax ([\d.]+)s$",
+                     run.stdout, re.M)
+    assert need, run.stdout
+    extra, vision, lm, _, floor = map(float, need.groups())
+    assert vision > 0 and lm > 0 and floor > 0 and abs(extra - vision - lm) <= 0.002, need.group(0)
+    assert len(re.findall(r"^  (engine|hfb) +image jobs took [+-][\d.]+s over text jobs = [\d.]+x the vision time, "
+                          r"-?[\d.]+x the floor$", run.stdout, re.M)) == 2, run.stdout
 
 
 def test_finalize_bench_runs_side_by_side(tmp_path: Path) -> None:
