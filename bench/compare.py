@@ -456,13 +456,14 @@ def main() -> None:
                 print(f"\nimage tax ({name}): batched vision alone {vision:.2f}s for {args.jobs} images")
                 # The image tokens also pass through the LM (prefill, then every decode step attends to them):
                 # work that no scheduling of the vision tower removes. Its floor is that work at the GEMM peak.
+                extra_flops = flops_by["image"] - flops_by["text"]
                 vision_flops = workload_flops(loaded, [], [], args.jobs)
-                lm_extra = flops_by["image"] - flops_by["text"] - vision_flops
-                floor = vision + lm_extra / (peak * 1e9)
-                print(f"  image jobs need {(flops_by['image'] - flops_by['text']) / 1e9:.3f} GFLOP more than text "
-                      f"jobs: vision {vision_flops / 1e9:.3f}, their image tokens through the LM "
-                      f"{lm_extra / 1e9:.3f} ({lm_extra / (peak * 1e9):.3f}s at the peak); floor of the tax "
-                      f"{floor:.3f}s")
+                lm_extra = extra_flops - vision_flops
+                lm_seconds = lm_extra / (peak * 1e9)
+                floor = vision + lm_seconds
+                print(f"  image jobs need {extra_flops / 1e9:.3f} GFLOP more than text jobs: vision "
+                      f"{vision_flops / 1e9:.3f}, their image tokens through the LM {lm_extra / 1e9:.3f} "
+                      f"({lm_seconds:.3f}s at the peak); floor of the tax {floor:.3f}s")
                 for system in dict.fromkeys(system for system, _ in seconds_by):
                     if (system, "image") in seconds_by and (system, "text") in seconds_by:
                         extra = seconds_by[(system, "image")] - seconds_by[(system, "text")]

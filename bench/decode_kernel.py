@@ -18,9 +18,9 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 import torch  # noqa: E402
 from engine import cpu_name  # noqa: E402
-from torch.utils import cpp_extension  # noqa: E402
 
 from worker.engine import cpu_kernels  # noqa: E402
+from worker.engine.attention import decode_key_mask, gathered_decode_attention  # noqa: E402
 
 # (sequences, keys each): small's image jobs mid-decode, its text jobs, and fewer, longer sequences.
 SHAPES = ((256, 110), (256, 50), (64, 300))
@@ -28,12 +28,9 @@ HEADS, KV_HEADS, DIM, BLOCK, POOL_BLOCKS, LAYERS = 8, 8, 64, 16, 8192, 4
 
 
 def gather_sdpa(q, k_cache, v_cache, tables, lens, scale):  # type: ignore[no-untyped-def]
-    batch = tables.shape[0]
-    k = k_cache.index_select(0, tables.flatten()).view(batch, -1, KV_HEADS, DIM).transpose(1, 2)
-    v = v_cache.index_select(0, tables.flatten()).view(batch, -1, KV_HEADS, DIM).transpose(1, 2)
-    mask = (torch.arange(k.shape[2]).unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
-    out = torch.nn.functional.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale)
-    return out[:, :, 0]
+    """The engine's torch path (without the kernel)."""
+    return gathered_decode_attention(q, k_cache, v_cache, tables, decode_key_mask(lens, tables.shape[1] * BLOCK),
+                                     scale)
 
 
 def main() -> None:
@@ -41,13 +38,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=9)
     args = parser.parse_args()
     torch.manual_seed(0)
-    plain_flags = [f for f in cpu_kernels.CFLAGS if f not in ("-fassociative-math", "-fno-signed-zeros",
-                                                               "-fno-trapping-math")]
+    plain_flags = [f for f in cpu_kernels.CFLAGS if f not in cpu_kernels.REASSOCIATION]
     systems = {
         "kernel": cpu_kernels.paged_decode_attention(),
-        "kernel, no reassociation": cpp_extension.load(
-            name="vlmq_decode_bench_plain", sources=[str(cpu_kernels.SOURCE)], extra_cflags=plain_flags,
-            extra_ldflags=["-fopenmp"]).paged_decode_attention,
+        "kernel, no reassociation": cpu_kernels.compile_kernel("vlmq_decode_bench_plain", plain_flags),
         "gather + SDPA": gather_sdpa,
     }
     if systems["kernel"] is None:

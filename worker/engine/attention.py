@@ -118,9 +118,9 @@ def build_metadata(
     decode_rows = torch.nonzero(is_decode).flatten()
     if decode_rows.numel():
         dec_width = int(num_blocks[decode_rows].max())
-        keys = torch.arange(dec_width * block_size).unsqueeze(0) < total[decode_rows].unsqueeze(1)
         decodes = DecodeBatch(query_start[decode_rows].to(device), table[decode_rows, :dec_width].to(device),
-                              keys[:, None, None, :].to(device), total[decode_rows].to(device))
+                              decode_key_mask(total[decode_rows], dec_width * block_size).to(device),
+                              total[decode_rows].to(device))
     return AttentionMetadata(kv_caches, slot_mapping.to(device), prefills, decodes, num_tokens, groups,
                              context_groups, decode_kernel)
 
@@ -216,15 +216,29 @@ def paged_attention(
         out[d.query_index] = meta.decode_kernel(q_dec, k_cache, v_cache, d.blocks, d.seq_lens, scale).to(out.dtype)
     elif meta.decodes is not None:
         d = meta.decodes
-        batch = d.blocks.shape[0]
-        q_dec = q[:, d.query_index].transpose(0, 1).unsqueeze(2)  # [B, heads, 1, dim]
-        # index_select, not advanced indexing: a plain row copy per block, several times faster on CPU.
-        flat = d.blocks.flatten()
-        k_dec = k_cache.index_select(0, flat).view(batch, -1, kv_heads, dim).transpose(1, 2)  # [B, kv, L, dim]
-        v_dec = v_cache.index_select(0, flat).view(batch, -1, kv_heads, dim).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q_dec, k_dec, v_dec, attn_mask=d.mask, scale=scaling, enable_gqa=gqa)
-        out[d.query_index] = o.squeeze(2)
+        q_dec = q[:, d.query_index].transpose(0, 1)  # [B, heads, dim]
+        out[d.query_index] = gathered_decode_attention(q_dec, k_cache, v_cache, d.blocks, d.mask, scaling)
     return out.unsqueeze(0), None
+
+
+def decode_key_mask(seq_lens: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """[B, 1, 1, num_keys] bool: which of the gathered key slots of each decode sequence are real."""
+    return (torch.arange(num_keys).unsqueeze(0) < seq_lens.unsqueeze(1))[:, None, None, :]
+
+
+def gathered_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
+                              key_mask: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """Decode attention by torch: each sequence's blocks gathered from the pool into one padded batch, then one
+    SDPA call. q [B, heads, dim]; blocks [B, W] block tables; key_mask from `decode_key_mask` (W * block_size
+    keys). Returns [B, heads, dim]. The C++ kernel (cpu_kernels.py) reads the pool in place instead."""
+    batch, kv_heads, dim = blocks.shape[0], k_cache.shape[2], k_cache.shape[3]
+    # index_select, not advanced indexing: a plain row copy per block, several times faster on CPU.
+    flat = blocks.flatten()
+    k = k_cache.index_select(0, flat).view(batch, -1, kv_heads, dim).transpose(1, 2)  # [B, kv, L, dim]
+    v = v_cache.index_select(0, flat).view(batch, -1, kv_heads, dim).transpose(1, 2)
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=key_mask, scale=scale,
+                                         enable_gqa=q.shape[1] != kv_heads)
+    return out.squeeze(2)
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)

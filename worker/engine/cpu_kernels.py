@@ -29,7 +29,8 @@ PagedDecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch
 # Reassociation lets the softmax's sums and its exp (exp_nonpositive) vectorise: 1.12-1.15x the kernel built
 # without it, on the bench's shapes. Not -ffast-math: that also assumes no infinities or NaNs, and linking with
 # it sets flush-to-zero for the whole process, changing every other op's numbers.
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
+REASSOCIATION = ["-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
+CFLAGS = ["-O3", "-march=native", "-fopenmp", *REASSOCIATION]
 
 _lock = threading.Lock()
 _loaded: dict[str, PagedDecodeAttention | None] = {}
@@ -68,18 +69,26 @@ def _build() -> PagedDecodeAttention | None:
             # up-to-date build, and a worker killed while holding it would leave every later start waiting.
             return _import(name, built)
         _clear_stale_lock(build_dir)
-        try:
-            import ninja  # the PyPI wheel's binary, for when the venv's bin/ is not on PATH
-
-            os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
-        except ImportError:
-            pass
         log.info("building the CPU attention kernel %s (once per machine, ~30 s)", name)
-        module = cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
-                                    verbose=False)
+        return compile_kernel(name, CFLAGS)
     except Exception as exc:  # no compiler or headers: the torch path serves, slower
         log.warning("CPU attention kernel not available (%s: %s); using the pure-torch path", type(exc).__name__, exc)
         return None
+
+
+def compile_kernel(name: str, cflags: list[str]) -> PagedDecodeAttention:
+    """SOURCE compiled and loaded as extension `name` with these compiler flags (bench/decode_kernel.py builds
+    a variant beside the engine's)."""
+    from torch.utils import cpp_extension
+
+    try:
+        import ninja  # the PyPI wheel's binary, for when the venv's bin/ is not on PATH
+
+        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+    except ImportError:
+        pass
+    module = cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=cflags, extra_ldflags=["-fopenmp"],
+                                verbose=False)
     return module.paged_decode_attention  # type: ignore[no-any-return]
 
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tests.worker.engine.test_engine import make_requests
 from worker.engine import cpu_kernels
+from worker.engine.attention import decode_key_mask, gathered_decode_attention
 from worker.engine.config import EngineConfig
 from worker.engine.cpu_linear import PackedLinear, pack_linears
 from worker.engine.engine import Engine
@@ -18,13 +18,9 @@ from worker.model_loader import load_model
 
 def _gather_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                  lens: torch.Tensor, scale: float) -> torch.Tensor:
-    batch, kv_heads, dim = tables.shape[0], k_cache.shape[2], k_cache.shape[3]
-    k = k_cache.index_select(0, tables.flatten()).view(batch, -1, kv_heads, dim).transpose(1, 2).float()
-    v = v_cache.index_select(0, tables.flatten()).view(batch, -1, kv_heads, dim).transpose(1, 2).float()
-    mask = (torch.arange(k.shape[2]).unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
-    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale,
-                                         enable_gqa=q.shape[1] != kv_heads)
-    return out[:, :, 0]
+    """The engine's torch path, on a float copy of the pool (the kernel takes a float query over any pool)."""
+    mask = decode_key_mask(lens, tables.shape[1] * k_cache.shape[1])
+    return gathered_decode_attention(q, k_cache.float(), v_cache.float(), tables, mask, scale)
 
 
 @pytest.fixture(scope="module")
