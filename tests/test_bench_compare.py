@@ -112,7 +112,8 @@ def test_bf16_runs_every_system_in_bf16(tmp_path: Path) -> None:
     assert need, run.stdout
     extra, vision, lm, _, floor = map(float, need.groups())
     assert vision > 0 and lm > 0 and floor > 0 and abs(extra - vision - lm) <= 0.002, need.group(0)
-    assert len(re.findall(r"^  (engine|hfb) +image jobs took [+-][\d.]+s over text jobs = [\d.]+x the vision time, "
+    # On 4 tiny jobs the tax is within timing noise, so either sign is a valid measurement.
+    assert len(re.findall(r"^  (engine|hfb) +image jobs took [+-][\d.]+s over text jobs = -?[\d.]+x the vision time, "
                           r"-?[\d.]+x the floor$", run.stdout, re.M)) == 2, run.stdout
 
 
