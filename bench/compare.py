@@ -73,16 +73,19 @@ class Run:
 
 
 def make_jobs(n: int, with_image: bool, max_tokens: int, seed: int = 0, prefix: str = "job",
-              system: str = "") -> list[GenerationRequest]:
+              system: str = "", image_size: tuple[int, int] = (224, 224)) -> list[GenerationRequest]:
     """Same prompts with or without their image (the image tax compares the two); with `system`, every job
-    starts with that system prompt, as a dataset's rows often share one instruction."""
+    starts with that system prompt, as a dataset's rows often share one instruction. Images are `image_size`
+    (width, height) before the model's processor resizes them: a photo's size costs decoding and resizing."""
     rng = random.Random(seed)
+    width, height = image_size
+    side = max(4, min(width, height) // 9)
     jobs = []
     for i in range(n):
-        image = Image.new("RGB", (224, 224), tuple(rng.randint(0, 255) for _ in range(3)))
+        image = Image.new("RGB", image_size, tuple(rng.randint(0, 255) for _ in range(3)))
         for _ in range(12):  # a few shapes, so images differ beyond their colour
-            x, y = rng.randint(0, 200), rng.randint(0, 200)
-            image.paste(tuple(rng.randint(0, 255) for _ in range(3)), (x, y, x + 24, y + 24))
+            x, y = rng.randint(0, width - side), rng.randint(0, height - side)
+            image.paste(tuple(rng.randint(0, 255) for _ in range(3)), (x, y, x + side, y + side))
         words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(10, 40)))
         content: list[dict[str, Any]] = [{"type": "text", "text": words}]
         if with_image:
@@ -98,9 +101,10 @@ def make_jobs(n: int, with_image: bool, max_tokens: int, seed: int = 0, prefix: 
 def run_engine(path: Path, jobs: list[GenerationRequest], dtype: torch.dtype, cpu_paths: bool = True,
                compile_layers: bool = False) -> tuple[Run, list[int], list[int]]:
     engine = new_engine(path, cpu_paths, dtype, compile_layers)  # model load, KV allocation: start-up
-    engine.generate(make_jobs(4, bool(jobs[0].images), 4, seed=99, prefix="warm"))
+    size = jobs[0].images[0].size if jobs[0].images else (224, 224)
+    engine.generate(make_jobs(4, bool(jobs[0].images), 4, seed=99, prefix="warm", image_size=size))
     if compile_layers:  # a batch of one token is a graph of its own (torch specialises sizes 0 and 1)
-        engine.generate(make_jobs(1, bool(jobs[0].images), 4, seed=98, prefix="warm1"))
+        engine.generate(make_jobs(1, bool(jobs[0].images), 4, seed=98, prefix="warm1", image_size=size))
     start, cpu_start, steps = time.perf_counter(), time.process_time(), engine.stats.num_steps
     vision_before = len(engine.runner.vision_batch_sizes)
     results = engine.generate(jobs)
@@ -254,7 +258,8 @@ def run_vllm(path: Path, loaded: LoadedModel, jobs: list[GenerationRequest], thr
             out.append({"id": job.request_id, "prompt": prompt, "image": image, "max_tokens": job.sampling.max_tokens})
         return out
 
-    warm = make_jobs(4, bool(jobs[0].images), 4, seed=99, prefix="warm")
+    warm = make_jobs(4, bool(jobs[0].images), 4, seed=99, prefix="warm",
+                     image_size=jobs[0].images[0].size if jobs[0].images else (224, 224))
     jobs_file = work / "vllm-jobs.json"
     jobs_file.write_text(json.dumps({"warmup": spec(warm, "warm"), "jobs": spec(jobs, "job")}))
     proc = subprocess.run([str(python), str(ROOT / "bench" / "peers" / "vllm_run.py"), str(model_dir),
@@ -339,6 +344,13 @@ def agreement(run: Run, reference: Run, loaded: LoadedModel) -> str:
     return f"{same}/{len(reference.tokens)}"
 
 
+def image_size_arg(text: str) -> tuple[int, int]:
+    match = re.fullmatch(r"(\d+)x(\d+)", text)
+    if match is None or min(int(match[1]), int(match[2])) < 16:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected WIDTHxHEIGHT, each at least 16, e.g. 1600x1200")
+    return int(match[1]), int(match[2])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--jobs", type=int, default=64)
@@ -347,6 +359,8 @@ def main() -> None:
     parser.add_argument("--models", default="tiny,small")
     parser.add_argument("--systems", default="hf1,hfb,engine_torch,engine,service,vllm")
     parser.add_argument("--system-prompt", default="", help="a system prompt every job starts with")
+    parser.add_argument("--image-size", default="224x224", type=image_size_arg, metavar="WIDTHxHEIGHT",
+                        help="the jobs' images before the processor resizes them (photos are megapixels)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="every system's weights, activations and KV cache, and the GEMM peak's operands")
@@ -397,7 +411,8 @@ def main() -> None:
                 seconds_by: dict[tuple[str, str], float] = {}
                 flops_by: dict[str, float] = {}
                 for kind in ("image", "text"):
-                    jobs = make_jobs(args.jobs, kind == "image", args.max_tokens, system=args.system_prompt)
+                    jobs = make_jobs(args.jobs, kind == "image", args.max_tokens, system=args.system_prompt,
+                                     image_size=args.image_size)
                     first_engine, prompt_tokens, generated = run_engine(path, jobs, dtype)
                     flops = workload_flops(loaded, prompt_tokens, generated, args.jobs if kind == "image" else 0)
                     flops_by[kind] = flops
@@ -436,7 +451,8 @@ def main() -> None:
                     engine_run = next((r for r in runs if r.system == "engine"), first_engine)
                     reference = next((r for r in runs if r.system == "hf1"), engine_run)
                     n_tokens = sum(generated)
-                    print(f"\n## {name}, {kind} jobs: {args.jobs} jobs, max_tokens {args.max_tokens}, "
+                    photo = f" of {args.image_size[0]}x{args.image_size[1]} px" if kind == "image" else ""
+                    print(f"\n## {name}, {kind} jobs: {args.jobs} jobs{photo}, max_tokens {args.max_tokens}, "
                           f"{n_tokens} tokens generated, {flops / 1e9:.1f} GFLOP of work")
                     print(f"{'system':<24}{'seconds':>9}{'jobs/s':>9}{'tok/s':>9}{'vs engine':>11}{'of peak':>9}"
                           f"{'same as ' + reference.system:>16}   seconds of each repeat")
@@ -451,7 +467,7 @@ def main() -> None:
                         print(f"{run.system:<24}{run.seconds:>9.2f}{row['jobs_per_s']:>9.1f}{row['tokens_per_s']:>9.0f}"
                               f"{engine_run.seconds / run.seconds:>10.2f}x{100 * row['of_peak']:>8.1f}%"
                               f"{row['agreement']:>16}   {' '.join(f'{x:.2f}' for x in row['repeats'])}")
-                images = [j.images[0] for j in make_jobs(args.jobs, True, args.max_tokens)]
+                images = [j.images[0] for j in make_jobs(args.jobs, True, args.max_tokens, image_size=args.image_size)]
                 vision = vision_only_seconds(loaded, images)
                 print(f"\nimage tax ({name}): batched vision alone {vision:.2f}s for {args.jobs} images")
                 # The image tokens also pass through the LM (prefill, then every decode step attends to them):

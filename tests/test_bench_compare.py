@@ -17,13 +17,15 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_service_runs_agree_with_the_engine_and_account_cpu(tmp_path: Path) -> None:
     """Both ways in: each job POSTed (service), and one Batch API file (service_batch), whose texts come back
     from the batch's output file; every job starts with the same system prompt. Each against both S3 servers
-    (moto's, and rclone's Go one), labelled by server."""
+    (moto's, and rclone's Go one), labelled by server. Images of a size other than the default, not square."""
     out = tmp_path / "compare.json"
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "compare.py"), "--jobs", "6", "--models", "tiny",
                           "--systems", "engine,service,service_batch", "--max-tokens", "6", "--json", str(out),
-                          "--system-prompt", "You label images. Answer in one short sentence.", "--s3", "moto,rclone"],
+                          "--system-prompt", "You label images. Answer in one short sentence.", "--s3", "moto,rclone",
+                          "--image-size", "320x240"],
                          capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert re.search(r"^## tiny, image jobs: 6 jobs of 320x240 px, ", run.stdout, re.M), run.stdout
     rows = json.loads(out.read_text())["rows"]
     assert {r["system"] for r in rows} == {"engine", "service+moto", "service+rclone", "service_batch+moto",
                                            "service_batch+rclone"}
@@ -55,6 +57,13 @@ def test_service_runs_agree_with_the_engine_and_account_cpu(tmp_path: Path) -> N
     alone = [int(n) for n in re.findall(r"engine alone: [\d.]+ ms of CPU per job, (\d+) steps", run.stdout)]
     assert len(alone) == 2 and min(alone) >= 6, run.stdout
     assert "logged" not in run.stdout, run.stdout  # no part warned or failed on the way
+
+
+def test_an_image_size_it_cannot_use_is_refused_before_any_work() -> None:
+    for size in ("10x10", "640", "640x480x3", "axb"):
+        run = subprocess.run([sys.executable, str(ROOT / "bench" / "compare.py"), "--image-size", size],
+                             capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert run.returncode == 2 and "--image-size" in run.stderr and "WIDTHxHEIGHT" in run.stderr, run.stderr
 
 
 def test_a_service_variant_runs_beside_the_service_with_its_settings(tmp_path: Path) -> None:
