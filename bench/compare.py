@@ -98,13 +98,19 @@ def make_jobs(n: int, with_image: bool, max_tokens: int, seed: int = 0, prefix: 
     return jobs
 
 
+def warmup_jobs(like: list[GenerationRequest], n: int, seed: int, prefix: str) -> list[GenerationRequest]:
+    """`n` short jobs of the same kind as `like` (with or without an image, of the same size), for a warm-up."""
+    if not like[0].images:
+        return make_jobs(n, False, 4, seed=seed, prefix=prefix)
+    return make_jobs(n, True, 4, seed=seed, prefix=prefix, image_size=like[0].images[0].size)
+
+
 def run_engine(path: Path, jobs: list[GenerationRequest], dtype: torch.dtype, cpu_paths: bool = True,
                compile_layers: bool = False) -> tuple[Run, list[int], list[int]]:
     engine = new_engine(path, cpu_paths, dtype, compile_layers)  # model load, KV allocation: start-up
-    size = jobs[0].images[0].size if jobs[0].images else (224, 224)
-    engine.generate(make_jobs(4, bool(jobs[0].images), 4, seed=99, prefix="warm", image_size=size))
+    engine.generate(warmup_jobs(jobs, 4, seed=99, prefix="warm"))
     if compile_layers:  # a batch of one token is a graph of its own (torch specialises sizes 0 and 1)
-        engine.generate(make_jobs(1, bool(jobs[0].images), 4, seed=98, prefix="warm1", image_size=size))
+        engine.generate(warmup_jobs(jobs, 1, seed=98, prefix="warm1"))
     start, cpu_start, steps = time.perf_counter(), time.process_time(), engine.stats.num_steps
     vision_before = len(engine.runner.vision_batch_sizes)
     results = engine.generate(jobs)
@@ -258,8 +264,7 @@ def run_vllm(path: Path, loaded: LoadedModel, jobs: list[GenerationRequest], thr
             out.append({"id": job.request_id, "prompt": prompt, "image": image, "max_tokens": job.sampling.max_tokens})
         return out
 
-    warm = make_jobs(4, bool(jobs[0].images), 4, seed=99, prefix="warm",
-                     image_size=jobs[0].images[0].size if jobs[0].images else (224, 224))
+    warm = warmup_jobs(jobs, 4, seed=99, prefix="warm")
     jobs_file = work / "vllm-jobs.json"
     jobs_file.write_text(json.dumps({"warmup": spec(warm, "warm"), "jobs": spec(jobs, "job")}))
     proc = subprocess.run([str(python), str(ROOT / "bench" / "peers" / "vllm_run.py"), str(model_dir),
@@ -413,6 +418,8 @@ def main() -> None:
                 for kind in ("image", "text"):
                     jobs = make_jobs(args.jobs, kind == "image", args.max_tokens, system=args.system_prompt,
                                      image_size=args.image_size)
+                    if kind == "image":  # for the vision tower alone, after the runs
+                        images = [j.images[0] for j in jobs]
                     first_engine, prompt_tokens, generated = run_engine(path, jobs, dtype)
                     flops = workload_flops(loaded, prompt_tokens, generated, args.jobs if kind == "image" else 0)
                     flops_by[kind] = flops
@@ -467,7 +474,6 @@ def main() -> None:
                         print(f"{run.system:<24}{run.seconds:>9.2f}{row['jobs_per_s']:>9.1f}{row['tokens_per_s']:>9.0f}"
                               f"{engine_run.seconds / run.seconds:>10.2f}x{100 * row['of_peak']:>8.1f}%"
                               f"{row['agreement']:>16}   {' '.join(f'{x:.2f}' for x in row['repeats'])}")
-                images = [j.images[0] for j in make_jobs(args.jobs, True, args.max_tokens, image_size=args.image_size)]
                 vision = vision_only_seconds(loaded, images)
                 print(f"\nimage tax ({name}): batched vision alone {vision:.2f}s for {args.jobs} images")
                 # The image tokens also pass through the LM (prefill, then every decode step attends to them):
