@@ -88,6 +88,12 @@ class Settings(BaseSettings):
                     "it (the worker's threads, the API, Postgres), that work goes first and the engine steps on "
                     "fuller batches; it still gets every CPU left idle. 0: the same priority.")
 
+    image_resize: Literal["torch", "pillow"] = Field(
+        default="torch", description="How the model's image processor resizes images: \"torch\", with torch's "
+        "antialiased uint8 kernel, the resize of HF's torchvision-backed processors (3-5x faster preparation of "
+        "photos, a pixel off by one now and then against Pillow); \"pillow\", with Pillow, as HF's PIL-backed "
+        "processors do.")
+
     gc_freeze: bool = Field(
         default=True, description="Once a process has started (API, workers, the engine process), freeze its "
         "objects out of Python's garbage collector's scans (common/heap.py): a full collection no longer walks "

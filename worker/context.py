@@ -56,7 +56,8 @@ def build_context(settings: Settings) -> WorkerContext:
     log.info("worker %s loading model %s on %s (%s)", worker_id, settings.model, settings.device, settings.dtype)
     generator = engine_process(settings) if settings.engine_process else None
     if generator is None:
-        generator = make_backend(load_model(settings.model, device=settings.device, dtype=dtype), settings)
+        generator = make_backend(load_model(settings.model, device=settings.device, dtype=dtype,
+                                                torch_resize=settings.image_resize == "torch"), settings)
     leases = LeaseKeeper(db, worker_id, settings.lease_seconds, settings.heartbeat_seconds,
                          on_lost=generator.abort)
     pipeline = JobPipeline(settings, db, store, generator, leases, worker_id)
@@ -90,7 +91,8 @@ def engine_process(settings: Settings) -> Generator | None:
 
     if settings.backend == "hf":
         return None
-    front = load_model(settings.model, dtype=getattr(torch, settings.dtype), weights=False)
+    front = load_model(settings.model, dtype=getattr(torch, settings.dtype), weights=False,
+                       torch_resize=settings.image_resize == "torch")
     if settings.backend == "auto":
         try:
             get_family(front.model)

@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from worker.image_resize import use_torch_resize
+
 log = logging.getLogger(__name__)
 
 
@@ -50,11 +52,14 @@ def image_only_processor_class(base: type, name: str | None = None) -> type:
                 {"get_attributes": classmethod(get_attributes), "__module__": __name__})
 
 
-def load_processor(path_or_id: str, **kwargs: Any) -> Any:
+def load_processor(path_or_id: str, torch_resize: bool = True, **kwargs: Any) -> Any:
+    """The checkpoint's processor. `torch_resize`: its image processor resizes with torch's antialiased kernel, as
+    HF's torchvision backend does, instead of Pillow (worker/image_resize.py; process-wide)."""
     from transformers import AutoConfig, AutoProcessor
     from transformers.models.auto.processing_auto import PROCESSOR_MAPPING
     from transformers.utils import is_torchvision_available
 
+    use_torch_resize(torch_resize)
     try:
         return AutoProcessor.from_pretrained(path_or_id, **kwargs)
     except Exception as exc:
@@ -108,7 +113,7 @@ def model_location(path_or_id: str) -> str:
 
 
 def load_model(path_or_id: str, device: str = "cpu", dtype: torch.dtype = torch.float32,
-               weights: bool = True) -> LoadedModel:
+               weights: bool = True, torch_resize: bool = True) -> LoadedModel:
     """With `weights=False` the model is built from its config on the meta device: no memory, no load time, and
     everything but a forward works (family, placeholders, positions), which is what a front end that only
     prepares requests for an engine in another process needs."""
@@ -116,7 +121,7 @@ def load_model(path_or_id: str, device: str = "cpu", dtype: torch.dtype = torch.
 
     name = path_or_id
     path_or_id = model_location(path_or_id)
-    processor = load_processor(path_or_id)
+    processor = load_processor(path_or_id, torch_resize=torch_resize)
     tokenizer = processor.tokenizer
     if weights:
         model = AutoModelForImageTextToText.from_pretrained(path_or_id, dtype=dtype)
