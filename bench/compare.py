@@ -8,8 +8,9 @@ greedy, the same dtype (fp32 unless --dtype says otherwise), the same max_tokens
 Systems: (hf1) HF `generate` one job at a time, (hfb) HF padded batched `generate` in batches of 32,
 (engine) the vlmq engine alone, (engine_torch) the same without its CPU fast paths (C++ decode attention,
 oneDNN-packed linears), (engine_compile) the engine with its decoder layers compiled by torch.compile
-(VLMQ_ENGINE_COMPILE; compiling is warm-up, outside the timing), (service) vlmq as a user meets it: POST
-/v1/jobs over HTTP -> Postgres -> Redis -> `vlmq worker` -> S3 + SQL, polled until every job succeeded
+(VLMQ_ENGINE_COMPILE; compiling is warm-up, outside the timing), (engine_pillow) the engine with its image
+processor resizing by Pillow instead of torch's kernel (VLMQ_IMAGE_RESIZE=pillow), (service) vlmq as a user
+meets it: POST /v1/jobs over HTTP -> Postgres -> Redis -> `vlmq worker` -> S3 + SQL, polled until every job succeeded
 (bench/service_stack.py: each service its own process, with its own redis-server, Postgres cluster and the S3
 server), (service_batch) the same stack fed through the OpenAI Batch API instead: one JSONL upload, until the
 batch completed and its output file was written (bench/service_submit.py), (vllm) vLLM's offline
@@ -57,6 +58,7 @@ from PIL import Image  # noqa: E402
 from tests.s3_server import S3_SERVERS, S3Server  # noqa: E402
 from worker.engine.allocator import keep_freed_memory  # noqa: E402
 from worker.generation import GenerationRequest, SamplingParams  # noqa: E402
+from worker.image_resize import use_torch_resize  # noqa: E402
 from worker.model_loader import LoadedModel, load_model  # noqa: E402
 from worker.tiny_model import build_tiny_llava  # noqa: E402
 
@@ -106,8 +108,16 @@ def warmup_jobs(like: list[GenerationRequest], n: int, seed: int, prefix: str) -
 
 
 def run_engine(path: Path, jobs: list[GenerationRequest], dtype: torch.dtype, cpu_paths: bool = True,
-               compile_layers: bool = False) -> tuple[Run, list[int], list[int]]:
-    engine = new_engine(path, cpu_paths, dtype, compile_layers)  # model load, KV allocation: start-up
+               compile_layers: bool = False, torch_resize: bool = True) -> tuple[Run, list[int], list[int]]:
+    try:
+        return _run_engine(path, jobs, dtype, cpu_paths, compile_layers, torch_resize)
+    finally:
+        use_torch_resize(True)  # process-wide: the next system (HF's, on the model loaded first) resizes as before
+
+
+def _run_engine(path: Path, jobs: list[GenerationRequest], dtype: torch.dtype, cpu_paths: bool,
+                compile_layers: bool, torch_resize: bool) -> tuple[Run, list[int], list[int]]:
+    engine = new_engine(path, cpu_paths, dtype, compile_layers, torch_resize)  # model load, KV allocation: start-up
     engine.generate(warmup_jobs(jobs, 4, seed=99, prefix="warm"))
     if compile_layers:  # a batch of one token is a graph of its own (torch specialises sizes 0 and 1)
         engine.generate(warmup_jobs(jobs, 1, seed=98, prefix="warm1"))
@@ -115,7 +125,8 @@ def run_engine(path: Path, jobs: list[GenerationRequest], dtype: torch.dtype, cp
     vision_before = len(engine.runner.vision_batch_sizes)
     results = engine.generate(jobs)
     seconds = time.perf_counter() - start
-    name = "engine_compile" if compile_layers else "engine" if cpu_paths else "engine_torch"
+    name = ("engine_compile" if compile_layers else "engine_pillow" if not torch_resize
+            else "engine" if cpu_paths else "engine_torch")
     vision = engine.runner.vision_batch_sizes[vision_before:]
     print(f"  {name} alone: {1000 * (time.process_time() - cpu_start) / len(jobs):.1f} ms of CPU per job, "
           f"{engine.stats.num_steps - steps} steps"
@@ -433,6 +444,8 @@ def main() -> None:
                                 run = run_engine(path, jobs, dtype, cpu_paths=False)[0]
                             elif system == "engine_compile":
                                 run = run_engine(path, jobs, dtype, compile_layers=True)[0]
+                            elif system == "engine_pillow":
+                                run = run_engine(path, jobs, dtype, torch_resize=False)[0]
                             elif system in ("hf1", "hfb"):
                                 run = run_hf(loaded, jobs, system == "hfb")
                             elif system in ("service", "service_batch"):
