@@ -33,3 +33,19 @@ def test_the_hf_backend_loads_the_model_here(tiny_llava_path: Path) -> None:
         assert isinstance(generator, BatchingGenerator)
     finally:
         generator.close()
+
+
+def test_the_image_resize_setting_reaches_the_processor_that_prepares_jobs(tiny_llava_path: Path) -> None:
+    from worker.image_resize import torch_resize_in_use, use_torch_resize
+
+    generator = engine_process(Settings(model=str(tiny_llava_path), kv_num_blocks=64, image_resize="pillow"))
+    try:
+        assert not torch_resize_in_use()
+    finally:
+        generator.close()  # type: ignore[union-attr]
+        use_torch_resize(True)
+    generator = engine_process(Settings(model=str(tiny_llava_path), kv_num_blocks=64))
+    try:
+        assert torch_resize_in_use()
+    finally:
+        generator.close()  # type: ignore[union-attr]
