@@ -151,19 +151,6 @@ def decode_image(
     return to_rgb(oriented)
 
 
-def keep_image_memory(blocks: int) -> None:
-    """Let Pillow keep up to `blocks` freed image-memory blocks (each at most 16 MB) for its next images.
-
-    Pillow's default keeps none, so every decoded photo asks the C allocator for fresh megabytes, which for
-    sizes like a photo's come straight from the kernel and fault in page by page: for a 1600x1200 PNG that was
-    ~9 of the ~25 ms `decode_image` took. A process that decodes image after image (a worker) reuses them.
-    Process-wide, as Pillow's arena is; 0 restores Pillow's default.
-    """
-    if blocks < 0:
-        raise ValueError(f"blocks must be >= 0, got {blocks}")
-    Image.core.set_blocks_max(blocks)
-
-
 def to_rgb(im: Image.Image) -> Image.Image:
     """Convert a loaded image of any Pillow mode to 8-bit RGB.
 

@@ -94,11 +94,6 @@ class Settings(BaseSettings):
         "photos, a pixel off by one now and then against Pillow); \"pillow\", with Pillow, as HF's PIL-backed "
         "processors do.")
 
-    image_memory_blocks: int = Field(
-        default=16, ge=0, le=1024,
-        description="Freed image-memory blocks (each at most 16 MB) a worker's Pillow keeps for its next images, so "
-                    "decoding photo after photo does not fault fresh memory in each time; 0: Pillow's default, none.")
-
     gc_freeze: bool = Field(
         default=True, description="Once a process has started (API, workers, the engine process), freeze its "
         "objects out of Python's garbage collector's scans (common/heap.py): a full collection no longer walks "

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from common.db import Database, get_database
-from common.images import keep_image_memory
 from common.settings import Settings, get_settings
 from common.storage import ObjectStore, make_store
 from worker.batcher import BatchingGenerator, Generator
@@ -53,7 +52,6 @@ def build_context(settings: Settings) -> WorkerContext:
     worker_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
     db = get_database(settings.database_url)
     store = make_store(settings)
-    keep_image_memory(settings.image_memory_blocks)
     dtype = getattr(torch, settings.dtype)
     log.info("worker %s loading model %s on %s (%s)", worker_id, settings.model, settings.device, settings.dtype)
     generator = engine_process(settings) if settings.engine_process else None

@@ -471,25 +471,3 @@ def test_parse_data_url_error_does_not_echo_huge_input() -> None:
         parse_data_url("x" * 100_000)
     assert len(str(err.value)) < 200
 
-
-def test_keep_image_memory_sets_pillows_block_cache_and_recycled_blocks_decode_alike() -> None:
-    from common.images import keep_image_memory
-
-    rng = random.Random(3)
-    images = []
-    for size in ((640, 480), (333, 777), (640, 480)):
-        im = Image.frombytes("RGB", size, bytes(rng.randrange(256) for _ in range(size[0] * size[1] * 3)))
-        buf = io.BytesIO()
-        im.save(buf, "PNG")
-        images.append((buf.getvalue(), im.tobytes()))
-    before = Image.core.get_blocks_max()
-    try:
-        keep_image_memory(4)
-        assert Image.core.get_blocks_max() == 4
-        for _ in range(3):  # later decodes land in blocks earlier images freed
-            for data, pixels in images:
-                assert decode_image(data, max_pixels=10**8).tobytes() == pixels
-        with pytest.raises(ValueError):
-            keep_image_memory(-1)
-    finally:
-        keep_image_memory(before)
