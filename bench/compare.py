@@ -10,9 +10,9 @@ Systems: (hf1) HF `generate` one job at a time, (hfb) HF padded batched `generat
 oneDNN-packed linears), (engine_compile) the engine with its decoder layers compiled by torch.compile
 (VLMQ_ENGINE_COMPILE; compiling is warm-up, outside the timing), (engine_pillow) the engine with its image
 processor resizing by Pillow instead of torch's kernel (VLMQ_IMAGE_RESIZE=pillow), (service) vlmq as a user
-meets it: POST /v1/jobs over HTTP -> Postgres -> Redis -> `vlmq worker` -> S3 + SQL, polled until every job succeeded
-(bench/service_stack.py: each service its own process, with its own redis-server, Postgres cluster and the S3
-server), (service_batch) the same stack fed through the OpenAI Batch API instead: one JSONL upload, until the
+meets it: POST /v1/jobs over HTTP -> Postgres -> Redis -> `vlmq worker` -> S3 + SQL, polled until every job
+succeeded (bench/service_stack.py: each service its own process, with its own redis-server, Postgres cluster and
+the S3 server), (service_batch) the same stack fed through the OpenAI Batch API instead: one JSONL upload, until the
 batch completed and its output file was written (bench/service_submit.py), (vllm) vLLM's offline
 `LLM.generate` (bench/peers). The service's S3 server is moto's (`--s3 moto`, the tests' server) or rclone's
 (`--s3 rclone`, a Go server as MinIO is; tests/s3_server.py); `--s3 moto,rclone` runs each service system

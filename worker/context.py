@@ -56,8 +56,9 @@ def build_context(settings: Settings) -> WorkerContext:
     log.info("worker %s loading model %s on %s (%s)", worker_id, settings.model, settings.device, settings.dtype)
     generator = engine_process(settings) if settings.engine_process else None
     if generator is None:
-        generator = make_backend(load_model(settings.model, device=settings.device, dtype=dtype,
-                                                torch_resize=settings.image_resize == "torch"), settings)
+        loaded = load_model(settings.model, device=settings.device, dtype=dtype,
+                            torch_resize=settings.image_resize == "torch")
+        generator = make_backend(loaded, settings)
     leases = LeaseKeeper(db, worker_id, settings.lease_seconds, settings.heartbeat_seconds,
                          on_lost=generator.abort)
     pipeline = JobPipeline(settings, db, store, generator, leases, worker_id)

@@ -470,4 +470,3 @@ def test_parse_data_url_error_does_not_echo_huge_input() -> None:
     with pytest.raises(ImageError) as err:
         parse_data_url("x" * 100_000)
     assert len(str(err.value)) < 200
-
