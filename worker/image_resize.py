@@ -8,8 +8,9 @@ install with torchvision (and vLLM) runs. torchvision cannot be installed here, 
 Pillow backend; `use_torch_resize` swaps the one function that backend resizes with (`np_resize` in
 transformers.image_processing_backends) for the same torch kernel. Everything else (the processor's choice of
 size, crop, rescale, normalise) stays the processor's own. The kernel's filters are Pillow's (bicubic a=-0.5,
-the same support) but it rounds its passes differently: a photo shrunk to a tower's size is Pillow's within one
-level at all but ~1% of pixels; mild resizes of noisy content differ more often, still almost all by one level.
+the same support) but it rounds its passes differently: a photo shrunk to a tower's size is Pillow's exactly at
+98% or more of its pixels and within one level at the rest; mild resizes of noisy content differ more often,
+all but ~1% of pixels by at most one level.
 
 The swap is process-wide, like the module global it replaces; `use_torch_resize(False)` restores Pillow. Inputs
 the kernel does not cover (other filters, float images, alpha channels, `reducing_gap`, a PIL result) go to
