@@ -19,8 +19,11 @@ import struct
 from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Literal
 
 from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
+
+from common.image_structure import STRUCTURE_CHECKED_FORMATS, StructureError, check_structure
 
 DEFAULT_ALLOWED_FORMATS: tuple[str, ...] = ("JPEG", "PNG", "WEBP", "GIF", "BMP")
 
@@ -99,14 +102,17 @@ def inspect_image(
     allowed_formats: Collection[str] = DEFAULT_ALLOWED_FORMATS,
     max_bytes: int | None = None,
     max_frames: int | None = None,
+    check: Literal["decode", "structure"] = "decode",
 ) -> ImageInfo:
     """Validate an upload cheaply enough for the API process and describe it.
 
     The format is identified from the bytes, never from a file name or declared content type. The pixel
     limit is checked from the header before any pixel is decoded, so a few-KB PNG declaring 400 megapixels
-    is refused fast and with little memory; then the first frame is decoded once to catch truncated or
-    corrupt files. ``max_frames`` (optional) applies the same frame limit as ``decode_image`` so a job is
-    not accepted only to fail on the worker. Raises ImageError.
+    is refused fast and with little memory. Then truncated or corrupt files are caught: with ``check="decode"``
+    by decoding the first frame; with ``"structure"``, for PNG and JPEG, by reading the container without
+    decoding pixels (common/image_structure.py; other formats are decoded). ``max_frames`` (optional) applies
+    the same frame limit as ``decode_image`` so a job is not accepted only to fail on the worker. Raises
+    ImageError.
     """
     allowed = _normalize_formats(allowed_formats)
     _check_limits(max_pixels=max_pixels, max_frames=max_frames)
@@ -115,9 +121,15 @@ def inspect_image(
     with _open_checked(data, allowed, max_pixels) as im:
         if max_frames is not None:
             _check_frames(im, max_frames, max_pixels)
-        _load(im, max_pixels)
-        width, height = im.size
         fmt = _canonical_format(im.format)
+        if check == "structure" and fmt in STRUCTURE_CHECKED_FORMATS:
+            try:
+                check_structure(data, fmt)
+            except StructureError as e:
+                raise ImageError(f"image is truncated or corrupt: {e}") from e
+        else:
+            _load(im, max_pixels)
+        width, height = im.size
     return ImageInfo(
         sha256=hashlib.sha256(data).hexdigest(),
         format=fmt,

@@ -58,6 +58,7 @@ def store_image(session: Session, store: ObjectStore, data: bytes, settings: Set
             max_pixels=settings.max_image_pixels,
             allowed_formats=tuple(settings.allowed_image_formats),
             max_frames=settings.max_image_frames,
+            check=settings.image_check,
         )
     except ImageError as exc:
         raise SubmissionError(str(exc), 400, "invalid_image") from None

@@ -20,6 +20,7 @@ import torch
 from PIL import Image
 
 from tests.api.test_jobs_api import data_url
+from tests.common.test_image_structure import png_with_checked_but_broken_pixels
 from tests.conftest import ApiServer, settings_from_env
 from tests.hf_reference import hf_messages, hf_reference_answer
 from worker.model_loader import load_model
@@ -83,11 +84,21 @@ def test_twenty_jobs_through_the_service_match_hf(service_env: dict[str, str], t
                 response = client.post("/v1/jobs", json=body)
                 assert response.status_code == 202, response.text
                 ids.append(response.json()["id"])
-            jobs = wait_terminal(client, ids, timeout=300)
+            # Its container is whole, so submission (which reads PNG containers, not pixels) accepts it; only
+            # the worker's decode finds its pixel data broken, and the job fails with a clear error.
+            broken = client.post("/v1/jobs", json={"messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": data_url(png_with_checked_but_broken_pixels())}},
+                {"type": "text", "text": "what is this"}]}], "max_tokens": 4})
+            assert broken.status_code == 202, broken.text
+            jobs = wait_terminal(client, [*ids, broken.json()["id"]], timeout=300)
+            failed = jobs.pop(broken.json()["id"])
             results = {i: client.get(f"/v1/jobs/{i}/result").json() for i in ids}
     finally:
         worker.terminate()
         worker.wait(30)
+    assert failed["status"] == "failed" and failed["attempts"] == 1, failed
+    assert failed["error"]["code"] == "invalid_input", failed
+    assert failed["error"]["message"].startswith("image is truncated or corrupt"), failed
     assert all(j["status"] == "succeeded" for j in jobs.values()), log_path.read_text()[-3000:]
     assert all(j["attempts"] == 1 for j in jobs.values())
 
