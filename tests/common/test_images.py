@@ -430,6 +430,7 @@ def test_too_many_frames_refused() -> None:
 def test_decoded_image_is_independent() -> None:
     data = encode(Image.new("RGB", (4, 4), COLOUR), "PNG")
     out = decode_image(data, max_pixels=100)
+    assert getattr(out, "fp", None) is None  # holds no reference to the uploaded bytes
     out.putpixel((0, 0), BLACK)  # would fail on a closed or lazily loaded file-backed image
     assert out.getpixel((0, 0)) == BLACK
     assert out.getpixel((1, 1)) == COLOUR
