@@ -123,12 +123,7 @@ def inspect_image(
         if max_frames is not None:
             _check_frames(im, max_frames, max_pixels)
         fmt = _canonical_format(im.format)
-        if check == "structure" and fmt in STRUCTURE_CHECKED_FORMATS:
-            try:
-                check_structure(data, fmt)
-            except StructureError as e:
-                raise ImageError(f"image is truncated or corrupt: {e}") from e
-        else:
+        if not (check == "structure" and fmt in STRUCTURE_CHECKED_FORMATS and _structure_is_whole(data, fmt)):
             _load(im, max_pixels)
         width, height = im.size
     return ImageInfo(
@@ -351,6 +346,13 @@ def _open_checked(data: bytes, allowed: tuple[str, ...], max_pixels: int) -> Ima
         im.close()
         raise
     return im
+
+
+def _structure_is_whole(data: bytes, fmt: str) -> bool:
+    try:
+        return check_structure(data, fmt)
+    except StructureError as e:
+        raise ImageError(f"image is truncated or corrupt: {e}") from e
 
 
 def _check_frames(im: Image.Image, max_frames: int, max_pixels: int) -> None:

@@ -11,7 +11,7 @@ import zlib
 import pytest
 from PIL import Image
 
-from common.image_structure import StructureError, check_structure
+from common.image_structure import MAX_JPEG_MARKERS, StructureError, check_structure
 from common.images import ImageError, decode_image, inspect_image
 from tests.common.test_images import _chunk, encode, no_pixel_decoding, noise_image  # noqa: F401 (fixture)
 
@@ -149,6 +149,22 @@ def test_other_formats_are_decoded() -> None:
             inspect_image(cut, max_pixels=MAX_PIXELS, check="structure")
     with pytest.raises(ValueError, match="no structural check for GIF"):
         check_structure(encode(noise_image(), "GIF"), "GIF")
+
+
+def test_jpeg_of_too_many_markers_is_decoded_instead() -> None:
+    """A walk in Python over a file of millions of markers would cost more than libjpeg's in C: past
+    MAX_JPEG_MARKERS the image is decoded, and judged by that."""
+    data = encode(photo(), "JPEG", quality=90)
+    comments = b"\xff\xfe\x00\x02" * MAX_JPEG_MARKERS  # empty COM segments, legal anywhere before the scan
+    crowded = data[:2] + comments + data[2:]
+    assert check_structure(crowded, "JPEG") is False
+    assert inspect_image(crowded, max_pixels=MAX_PIXELS, check="structure").format == "JPEG"
+    cut = crowded[:-100]
+    assert check_structure(cut, "JPEG") is False
+    with pytest.raises(ImageError, match=r"^image is truncated or corrupt"):
+        inspect_image(cut, max_pixels=MAX_PIXELS, check="structure")  # refused by the decode
+    filled = data[:2] + b"\xff" * 5_000_000 + data[2:]  # fill bytes are skipped at C speed
+    assert check_structure(filled, "JPEG") is True
 
 
 # --- what passes the container check but not a decode ------------------------------------------------------
