@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import base64
 import binascii
-import contextlib
 import hashlib
 import io
 import re
 import struct
 from collections.abc import Collection, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Literal
 
@@ -123,7 +122,7 @@ def inspect_image(
         if max_frames is not None:
             _check_frames(im, max_frames, max_pixels)
         fmt = _canonical_format(im.format)
-        if not (check == "structure" and fmt in STRUCTURE_CHECKED_FORMATS and _structure_is_whole(data, fmt)):
+        if not (check == "structure" and fmt in STRUCTURE_CHECKED_FORMATS and _checked_by_structure(data, fmt)):
             _load(im, max_pixels)
         width, height = im.size
     return ImageInfo(
@@ -348,7 +347,8 @@ def _open_checked(data: bytes, allowed: tuple[str, ...], max_pixels: int) -> Ima
     return im
 
 
-def _structure_is_whole(data: bytes, fmt: str) -> bool:
+def _checked_by_structure(data: bytes, fmt: str) -> bool:
+    """True: the container is whole; False: too unusual to check that way (decode it). Raises ImageError."""
     try:
         return check_structure(data, fmt)
     except StructureError as e:
@@ -376,7 +376,7 @@ def _apply_exif_orientation(im: Image.Image) -> Image.Image:
     # decode_image took. Leaving the `with` of its opening only drops the file, never the loaded pixels.
     # Cameras and editors write plenty of malformed EXIF; a broken orientation tag is no reason to reject pixels
     # that decoded fine, so such an image is used as stored.
-    with contextlib.suppress(_DECODE_ERRORS):
+    with suppress(_DECODE_ERRORS):
         ImageOps.exif_transpose(im, in_place=True)
     return im
 

@@ -110,7 +110,7 @@ class Settings(BaseSettings):
     image_check: Literal["structure", "decode"] = Field(
         default="structure", description="How submission tells a corrupt image from a good one before accepting "
         "it: \"structure\" reads PNG and JPEG containers without decoding their pixels (every PNG chunk's "
-        "checksum, every JPEG marker to the end of the image; ~0.1-3 ms where decoding a photo takes 15-50) and "
+        "checksum, every JPEG marker to the end of the image; 0.1-5 ms where decoding a photo takes 12-55) and "
         "decodes other formats; \"decode\" decodes every image. An image whose container is whole but whose "
         "compressed data is broken (crafted, in practice) passes \"structure\" and fails its job with "
         "invalid_input.")
