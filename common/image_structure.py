@@ -1,6 +1,6 @@
 """Checking an image file's structure without decoding its pixels, for submit-time validation.
 
-Decoding a photo costs the API 15-50 ms of CPU (a 1600x1200 PNG or JPEG), and the worker decodes it again to
+Decoding a photo costs the API 12-55 ms of CPU (a 1600x1200 PNG or JPEG), and the worker decodes it again to
 run the job. What a file that fails to decode usually has wrong is its container: it was cut short in transit
 or on disk, or bytes were flipped. Those are found by reading the container alone:
 
@@ -10,9 +10,9 @@ or on disk, or bytes were flipped. Those are found by reading the container alon
   anywhere before its end-of-image marker, or with a segment running past the end, is refused.
 
 Not caught: a file crafted with valid checksums around a broken compressed stream. Such an image is accepted,
-and its job fails in the worker with ``invalid_input`` and the decoder's message. Other formats have no such
-check here, and callers decode them; so do they a JPEG of more markers than a camera writes, which this walk
-(in Python, where the decoder's is in C) would be slower to read than the decoder.
+and its job fails in the worker with ``invalid_input`` and the decoder's message. Callers decode what this
+module does not check: other formats, and a JPEG with more markers than a camera writes, which this walk (a
+Python loop, where the decoder's is C) would read more slowly than the decoder.
 """
 
 from __future__ import annotations
