@@ -15,11 +15,12 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Integer, String, and_, any_, bindparam, column, func, or_, select, update
+from sqlalchemy import Connection, Integer, String, and_, any_, bindparam, column, func, or_, select, update
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.elements import BindParameter
 
+from common.claimed_job import CLAIMED_COLUMNS, ClaimedJob
 from common.models import DEFAULT_TENANT, Job, JobStatus, NulSafeText, UTCDateTime, new_id, utcnow
 
 
@@ -119,26 +120,30 @@ def claim(session: Session, job_id: str, worker_id: str, lease_seconds: float, *
     return session.scalars(stmt).one_or_none()
 
 
-def claim_many(session: Session, job_ids: list[str], worker_id: str, lease_seconds: float) -> dict[str, Job]:
-    """`claim(..., unless_last_try=True)` of several jobs in one statement: those this worker took, by id."""
+# The grouped statements are Core, not ORM-enabled: they run the same through a session or a plain connection.
+_JOBS = Job.__table__
+
+
+def claim_many(executor: Session | Connection, job_ids: list[str], worker_id: str,
+               lease_seconds: float) -> dict[str, ClaimedJob]:
+    """`claim(..., unless_last_try=True)` of several jobs in one statement: those this worker took, by id. A
+    Core statement (no ORM instances), so a plain connection runs it as well as a session."""
     if not job_ids:
         return {}
     now = utcnow()
-    if _is_postgres(session):
-        params = {"ids": job_ids, "worker": worker_id, "now": now, "until": now + timedelta(seconds=lease_seconds)}
-        return {job.id: job for job in session.scalars(_PG_CLAIM_MANY, params)}
-    stmt = (
-        update(Job)
-        .where(Job.id.in_(job_ids), _claimable(now), ~_is_last_try())
-        .values(**_claimed_values(worker_id, now + timedelta(seconds=lease_seconds), now))
-        .returning(Job)
-        .execution_options(synchronize_session=False, populate_existing=True)
-    )
-    return {job.id: job for job in session.scalars(stmt)}
+    until = now + timedelta(seconds=lease_seconds)
+    if _is_postgres(executor):
+        rows = executor.execute(_PG_CLAIM_MANY, {"ids": job_ids, "worker": worker_id, "now": now, "until": until})
+    else:
+        rows = executor.execute(
+            update(_JOBS).where(Job.id.in_(job_ids), _claimable(now), ~_is_last_try())
+            .values(**_claimed_values(worker_id, until, now)).returning(*CLAIMED_COLUMNS))
+    return {row.id: ClaimedJob.of(row) for row in rows}
 
 
-def _is_postgres(session: Session) -> bool:
-    return session.get_bind().dialect.name == "postgresql"
+def _is_postgres(executor: Session | Connection) -> bool:
+    bind = executor.get_bind() if isinstance(executor, Session) else executor
+    return bind.dialect.name == "postgresql"
 
 
 # The grouped claim and finish on Postgres: built once, with every value a bound parameter (the ids and the
@@ -148,11 +153,10 @@ def _is_postgres(session: Session) -> bool:
 # finish, alone; 0.2 against 0.4-0.5 ms a job in groups of 4).
 _NOW = bindparam("now", type_=UTCDateTime())
 _PG_CLAIM_MANY = (
-    update(Job)
+    update(_JOBS)
     .where(Job.id == any_(bindparam("ids", type_=ARRAY(String))), _claimable(_NOW), ~_is_last_try())
     .values(**_claimed_values(bindparam("worker", type_=String()), bindparam("until", type_=UTCDateTime()), _NOW))
-    .returning(Job)
-    .execution_options(synchronize_session=False, populate_existing=True)
+    .returning(*CLAIMED_COLUMNS)
 )
 # NulSafeText as on the column itself: a model may generate NUL, which Postgres text cannot hold.
 _RESULTS = func.unnest(
@@ -164,12 +168,11 @@ _RESULTS = func.unnest(
     column("prompt_tokens", Integer), column("completion_tokens", Integer),
 ).render_derived(name="results")
 _PG_FINISH_MANY = (
-    update(Job)
+    update(_JOBS)
     .where(_held_by(_RESULTS.c.id, bindparam("worker", type_=String())))
     .values(**_succeeded_values(_NOW, _RESULTS.c.result_key, _RESULTS.c.text, _RESULTS.c.finish_reason,
                                 _RESULTS.c.prompt_tokens, _RESULTS.c.completion_tokens))
-    .returning(Job.id)
-    .execution_options(synchronize_session=False)
+    .returning(_JOBS.c.id)
 )
 
 
@@ -202,7 +205,7 @@ def held_by(session: Session, job_ids: list[str], worker_id: str) -> set[str]:
     return set(rows)
 
 
-def finish(session: Session, job_id: str, worker_id: str, result: JobResult) -> bool:
+def finish(session: Session | Connection, job_id: str, worker_id: str, result: JobResult) -> bool:
     """Mark succeeded; refused (False) if the worker lost its lease or the job was cancelled."""
     stmt = (
         update(Job)
@@ -214,7 +217,7 @@ def finish(session: Session, job_id: str, worker_id: str, result: JobResult) -> 
     return session.execute(stmt).rowcount == 1
 
 
-def finish_many(session: Session, worker_id: str, results: dict[str, JobResult]) -> set[str]:
+def finish_many(session: Session | Connection, worker_id: str, results: dict[str, JobResult]) -> set[str]:
     """`finish` of several jobs: the ids it marked succeeded; the others this worker no longer held. On Postgres
     one statement (an UPDATE joined to the results unnested from arrays); on SQLite one UPDATE per job (in the
     caller's one transaction all the same)."""

@@ -22,9 +22,10 @@ from tenacity import (
 )
 
 from common import jobs
+from common.claimed_job import ClaimedJob
 from common.db import Database
 from common.images import ImageError, decode_image
-from common.models import Job, JobStatus
+from common.models import JobStatus
 from common.settings import Settings
 from common.storage import ObjectNotFound, ObjectStore, image_key, result_key
 from common.views import chat_completion
@@ -99,7 +100,7 @@ class JobPipeline:
                 return Outcome("skipped")
             return self._run_leased(job)
 
-    def _run_leased(self, job: Job) -> Outcome:
+    def _run_leased(self, job: ClaimedJob) -> Outcome:
         self.leases.add(job.id)
         try:
             outcome = self._run_claimed(job)
@@ -113,15 +114,16 @@ class JobPipeline:
             return jobs.is_claimable_last_try(session, job_id)
 
     @_infra_retry
-    def _claim_shared(self, job_id: str) -> Job | None:
+    def _claim_shared(self, job_id: str) -> ClaimedJob | None:
         return self.writer.claim(job_id)
 
     @_infra_retry
-    def _claim(self, job_id: str) -> Job | None:
+    def _claim(self, job_id: str) -> ClaimedJob | None:
         with self.db.session() as session:
-            return jobs.claim(session, job_id, self.worker_id, self.settings.lease_seconds)
+            job = jobs.claim(session, job_id, self.worker_id, self.settings.lease_seconds)
+            return None if job is None else ClaimedJob.of(job)
 
-    def _run_claimed(self, job: Job) -> Outcome:
+    def _run_claimed(self, job: ClaimedJob) -> Outcome:
         try:
             with self.clock.stage("inputs"):
                 request = self._build_request(job)
@@ -157,7 +159,7 @@ class JobPipeline:
             return Outcome("lost")
         return Outcome(JobStatus.SUCCEEDED)
 
-    def _build_request(self, job: Job) -> GenerationRequest:
+    def _build_request(self, job: ClaimedJob) -> GenerationRequest:
         images = []
         messages: list[dict[str, Any]] = []
         for message in job.request["messages"]:
@@ -192,13 +194,13 @@ class JobPipeline:
         self.writer.close()
 
     @_infra_retry
-    def _fail(self, job: Job, code: str, message: str) -> Outcome:
+    def _fail(self, job: ClaimedJob, code: str, message: str) -> Outcome:
         with self.db.session() as session:
             failed = jobs.fail(session, job.id, self.worker_id, code, message)
         return Outcome(JobStatus.FAILED if failed else "lost")
 
     @_infra_retry
-    def _release(self, job: Job, code: str, message: str) -> Outcome:
+    def _release(self, job: ClaimedJob, code: str, message: str) -> Outcome:
         with self.db.session() as session:
             status = jobs.release(session, job.id, self.worker_id, code, message)
         if status is None:

@@ -10,6 +10,7 @@ import pytest
 from sqlalchemy import event, update
 
 from common import jobs
+from common.claimed_job import ClaimedJob
 from common.db import Database
 from common.models import Job, JobStatus, utcnow
 
@@ -160,11 +161,34 @@ def test_claim_many_takes_only_what_claim_would(db: Database) -> None:
     with db.session() as s:
         claimed = jobs.claim_many(s, [fresh, taken, last_try, "job_missing"], "w1", 60)
     assert set(claimed) == {fresh}  # held by another worker; would start its last try; does not exist
-    job = claimed[fresh]
-    assert job.status == JobStatus.RUNNING and job.lease_owner == "w1" and job.attempts == 1
+    row = _get(db, fresh)
+    assert row.status == JobStatus.RUNNING and row.lease_owner == "w1" and row.attempts == 1
+    assert claimed[fresh] == ClaimedJob.of(row)
     assert _get(db, taken).lease_owner == "other" and _get(db, last_try).status == JobStatus.QUEUED
     with db.session() as s:
         assert jobs.claim_many(s, [], "w1", 60) == {}
+
+
+def test_claim_many_on_a_plain_connection_returns_what_the_worker_needs(db: Database) -> None:
+    """The worker's state writer claims on a connection, without the ORM: each job comes back with its request
+    decoded, its creation time in UTC and this attempt counted, exactly as the row holds them."""
+    with db.session() as s:
+        batch_job = jobs.create_job(s, model="m2", request=REQUEST, priority=8, tenant="acme", batch_id="batch_1")
+    ids = [batch_job.id, _new_job(db)]
+    with db.engine.begin() as connection:
+        claimed = jobs.claim_many(connection, ids, "w1", 60)
+    assert set(claimed) == set(ids)
+    for job_id in ids:
+        row = _get(db, job_id)
+        job = claimed[job_id]
+        assert job == ClaimedJob.of(row) and job.attempts == 1 and row.lease_owner == "w1"
+        assert job.request == REQUEST and job.created_at.tzinfo is not None
+    assert (claimed[ids[0]].tenant, claimed[ids[0]].model, claimed[ids[0]].priority,
+            claimed[ids[0]].batch_id) == ("acme", "m2", 8, "batch_1")
+    with db.engine.begin() as connection:
+        assert jobs.claim_many(connection, ids, "w2", 60) == {}  # held now
+        assert jobs.finish_many(connection, "w1", {i: RESULT for i in ids}) == set(ids)
+    assert {_get(db, i).status for i in ids} == {JobStatus.SUCCEEDED}
 
 
 def test_finish_many_writes_each_result_and_refuses_jobs_not_held(db: Database) -> None:

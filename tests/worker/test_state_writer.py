@@ -10,8 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from common import jobs
+from common.claimed_job import ClaimedJob
 from common.db import Database
-from common.models import Job, JobStatus
+from common.models import JobStatus
 from tests.common.conftest import db  # noqa: F401  (the fixture: a migrated database of each kind)
 from tests.common.test_jobs import _get, _new_job
 from worker.state_writer import StateWriter
@@ -61,7 +62,7 @@ def test_concurrent_claims_and_finishes_share_a_transaction(db: Database, writer
         finished = {job_id: f.result(10) for job_id, f in finishes.items()}
         second = duplicate.result(10)
     assert writer.num_transactions == 2  # the held one, then everything that piled up behind it
-    assert all(isinstance(job, Job) and job.id == job_id and job.lease_owner == "w1"
+    assert all(isinstance(job, ClaimedJob) and job.id == job_id and job.attempts == 1 and job.request
                for job_id, job in claimed.items())
     assert second is None  # the claim went to one of the two deliveries only
     assert all(finished.values())
