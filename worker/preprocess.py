@@ -59,7 +59,10 @@ def encode_prompt(loaded: LoadedModel, req: GenerationRequest) -> EncodedPrompt:
     # Handed over as arrays: the processor's own conversion of a PIL image costs 3-4x as much (image_array.py).
     images = [for_processor(im if im.mode == "RGB" else im.convert("RGB")) for im in req.images]
     try:
-        encoded = loaded.processor(text=[prompt], images=images or None, return_tensors="pt")
+        if images or not loaded.text_by_tokenizer:
+            encoded = loaded.processor(text=[prompt], images=images or None, return_tensors="pt")
+        else:
+            encoded = loaded.tokenizer([prompt], return_tensors="pt")
     except ValueError as exc:
         raise InputError(f"cannot preprocess the request: {exc}") from exc
     input_ids = encoded["input_ids"][0].to(torch.long)
