@@ -115,6 +115,10 @@ def run_engine(path: Path, jobs: list[GenerationRequest], dtype: torch.dtype, cp
         use_torch_resize(True)  # process-wide: the next system (HF's, on the model loaded first) resizes as before
 
 
+def _step_seconds(prefill: float, decode: float) -> str:
+    return f"; steps with prompt tokens {prefill:.2f} s, decode-only steps {decode:.2f} s"
+
+
 def _run_engine(path: Path, jobs: list[GenerationRequest], dtype: torch.dtype, cpu_paths: bool,
                 compile_layers: bool, torch_resize: bool) -> tuple[Run, list[int], list[int]]:
     engine = new_engine(path, cpu_paths, dtype, compile_layers, torch_resize)  # model load, KV allocation: start-up
@@ -122,6 +126,7 @@ def _run_engine(path: Path, jobs: list[GenerationRequest], dtype: torch.dtype, c
     if compile_layers:  # a batch of one token is a graph of its own (torch specialises sizes 0 and 1)
         engine.generate(warmup_jobs(jobs, 1, seed=98, prefix="warm1"))
     start, cpu_start, steps = time.perf_counter(), time.process_time(), engine.stats.num_steps
+    prefill_before, decode_before = engine.stats.prefill_step_seconds, engine.stats.decode_step_seconds
     vision_before = len(engine.runner.vision_batch_sizes)
     results = engine.generate(jobs)
     seconds = time.perf_counter() - start
@@ -131,6 +136,8 @@ def _run_engine(path: Path, jobs: list[GenerationRequest], dtype: torch.dtype, c
     print(f"  {name} alone: {1000 * (time.process_time() - cpu_start) / len(jobs):.1f} ms of CPU per job, "
           f"{engine.stats.num_steps - steps} steps"
           + (f", {len(vision)} vision batches of {sum(vision) / len(vision):.1f} images" if vision else "")
+          + _step_seconds(engine.stats.prefill_step_seconds - prefill_before,
+                          engine.stats.decode_step_seconds - decode_before)
           + f"; KV cache in {str(engine.runner.kv_caches[0][0].dtype).removeprefix('torch.')}")
     return (Run(name, seconds, {r.request_id: r.token_ids for r in results}),
             [r.prompt_tokens for r in results], [len(r.token_ids) for r in results])
@@ -214,11 +221,14 @@ def run_service(path: Path, jobs: list[GenerationRequest], threads: int, work: P
                        for g in range(3) for kind in ("pauses", "pause_seconds")]
         delta = {name: metrics.get(name, 0.0) - metrics_before.get(name, 0.0)
                  for name in ("vlmq_engine_steps_total", "vlmq_engine_vision_batch_size_count",
-                              "vlmq_engine_vision_batch_size_sum", *gc_counters)}
+                              "vlmq_engine_vision_batch_size_sum", "vlmq_engine_prefill_step_seconds_total",
+                              "vlmq_engine_decode_step_seconds_total", *gc_counters)}
         vision = delta["vlmq_engine_vision_batch_size_count"]
         print(f"  {name} engine: {delta['vlmq_engine_steps_total']:.0f} steps"
               + (f", {vision:.0f} vision batches of {delta['vlmq_engine_vision_batch_size_sum'] / vision:.1f} images"
-                 if vision else ""))
+                 if vision else "")
+              + _step_seconds(delta["vlmq_engine_prefill_step_seconds_total"],
+                              delta["vlmq_engine_decode_step_seconds_total"]))
         stages = {m["stage"]: value - metrics_before.get(name, 0.0) for name, value in metrics.items()
                   if (m := re.fullmatch(r"vlmq_worker_stage_cpu_seconds_total\{stage=(?P<stage>\w+)\}", name))}
         if stages:

@@ -70,6 +70,8 @@ def test_the_compose_commands_complete_a_batch(compose_stack: LocalStack) -> Non
     assert worker[("vlmq_engine_vision_batch_size_count", ())] >= 1
     assert worker[("vlmq_engine_vision_batch_size_sum", ())] >= 6  # 7 images over some vision forwards
     assert worker[("vlmq_engine_encoder_cache_misses_total", ())] >= 1
+    assert worker[("vlmq_engine_prefill_step_seconds_total", ())] > 0  # every prompt was computed in some step
+    assert ("vlmq_engine_decode_step_seconds_total", ()) in worker
     for name in ("vlmq_engine_requests_running", "vlmq_engine_requests_waiting", "vlmq_engine_kv_blocks_used",
                  "vlmq_engine_kv_blocks_free", "vlmq_engine_prefix_cache_hit_rate",
                  "vlmq_engine_encoder_cache_hit_rate", "vlmq_engine_generated_tokens_per_second"):

@@ -33,6 +33,9 @@ _COUNTERS = {  # engine counter -> (metric name, help)
     "generated_tokens": ("vlmq_engine_generated_tokens", "Tokens generated."),
     "preemptions": ("vlmq_engine_preemptions", "Requests preempted for lack of KV blocks."),
     "steps": ("vlmq_engine_steps", "Engine steps."),
+    "prefill_step_seconds": ("vlmq_engine_prefill_step_seconds",
+                             "Wall time of engine steps that computed prompt tokens (any with decodes beside)."),
+    "decode_step_seconds": ("vlmq_engine_decode_step_seconds", "Wall time of engine steps that only decoded."),
 }
 _GAUGES = {
     "requests_running": ("vlmq_engine_requests_running", "Requests scheduled (prefilling or decoding)."),

@@ -23,6 +23,10 @@ class EngineStats:
     num_generated_tokens: int = 0
     num_prompt_tokens_computed: int = 0
     num_finished: int = 0
+    # Wall time of the steps that computed prompt tokens, and of those that only decoded: what a step costs
+    # against the same work alone shows how much the processes beside the engine slow it.
+    prefill_step_seconds: float = 0.0
+    decode_step_seconds: float = 0.0
     started_at: float = field(default_factory=time.monotonic)
 
     @property
@@ -85,6 +89,8 @@ class Engine:
             "vision_images": sum(runner.vision_batch_sizes),
             "preemptions": self.scheduler.num_preemptions,
             "steps": self.stats.num_steps,
+            "prefill_step_seconds": self.stats.prefill_step_seconds,
+            "decode_step_seconds": self.stats.decode_step_seconds,
             "generated_tokens": self.stats.num_generated_tokens,
             "generated_tokens_per_s": self.stats.generated_tokens_per_s,
         }
@@ -94,8 +100,14 @@ class Engine:
 
     def step(self) -> list[GenerationResult]:
         """One scheduling step; returns the requests that finished in it."""
+        started = time.perf_counter()
         out = self.scheduler.schedule()
         sampled = self.runner.execute(out)
+        elapsed = time.perf_counter() - started
+        if sum(s.num_tokens for s in out.scheduled) > len(out.scheduled):  # a decode is one token a request
+            self.stats.prefill_step_seconds += elapsed
+        else:
+            self.stats.decode_step_seconds += elapsed
         self.stats.num_steps += 1
         self.stats.num_generated_tokens += len(sampled)
         self.stats.num_prompt_tokens_computed += sum(s.num_tokens for s in out.scheduled if not s.samples)

@@ -7,6 +7,7 @@ shared prefixes, one image in many requests (encoder cache) and budgets that pus
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -126,10 +127,18 @@ def test_matches_hf_generate(family: tuple[str, Path], reference_model: LoadedMo
     name, path = family
     requests = make_requests(36, seed=1)
     engine = new_engine(path, num_kv_blocks=512, block_size=8, max_num_batched_tokens=256)
+    started = time.perf_counter()
     results = run_engine(engine, requests, seed=2)
+    elapsed = time.perf_counter() - started
     assert_identical(reference_model, name, requests, results)
     assert max(engine.runner.vision_batch_sizes) > 1  # images of several requests in one vision forward
     assert engine.block_manager.num_used_blocks == 0
+    # Every step is timed as one with prompt tokens or one that only decoded (36 prompts over a 256-token budget
+    # need several of the first kind; max_tokens leaves decodes alone at the end).
+    stats = engine.stats
+    assert stats.prefill_step_seconds > 0 and stats.decode_step_seconds > 0
+    assert stats.prefill_step_seconds + stats.decode_step_seconds <= elapsed
+    assert engine.metrics()["prefill_step_seconds"] == stats.prefill_step_seconds
 
 
 def test_tiny_kv_pool_preempts_and_still_matches(family: tuple[str, Path], reference_model: LoadedModel) -> None:
