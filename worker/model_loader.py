@@ -154,10 +154,10 @@ _PROBE_TEXT = "  Probe 1: what is 2+2?\n\tCafé naïve 東京 — ok.  \n"
 
 def text_alone_by_tokenizer(processor: Any, tokenizer: Any) -> bool:
     """Whether this processor, given a prompt and no images, returns exactly what its tokenizer does. A
-    processor call merges its default kwargs and checks its inputs before it tokenizes: 0.27-0.45 ms of CPU a
-    prompt against 0.07-0.13 for the tokenizer alone (the test families' tiny models), which text-only jobs then
-    save. Probed on a prompt of the model's own chat template; any difference (a key, a token, an error) keeps
-    the processor for every prompt."""
+    processor call merges its default kwargs and checks its inputs before it tokenizes, so a text-only prompt
+    costs 1.8-2.9x the CPU through it (bench/prepare.py, the test families' tiny models). Probed on a prompt of
+    the model's own chat template; any difference (a key, a token, an error) keeps the processor for every
+    prompt."""
     try:
         messages = [{"role": "user", "content": [{"type": "text", "text": _PROBE_TEXT}]}]
         prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
