@@ -29,21 +29,23 @@ class BrokerNotInspectable(Exception):
     """This broker cannot be listed (not Redis): the republisher leaves its jobs alone."""
 
 
-def _job_id(message: Any) -> str | None:
-    """The job id a kombu message (dict) carries, if it is a run_job message."""
+def _job_ids(message: Any) -> list[str]:
+    """The job ids a kombu message (dict) carries, if it is a run_job message: one id, or a list of them."""
     if not isinstance(message, dict):
-        return None
+        return []
     headers = message.get("headers") or {}
     if headers.get("task") != TASK_RUN_JOB:
-        return None
+        return []
     try:
         body = message.get("body")
         if message.get("properties", {}).get("body_encoding") == "base64":
             body = base64.b64decode(body)
         args = json.loads(body)[0]
-        return str(args[0]) if args else None
     except (ValueError, TypeError, IndexError, KeyError):
-        return None
+        return []
+    if not args:
+        return []
+    return [str(job_id) for job_id in args[0]] if isinstance(args[0], list) else [str(args[0])]
 
 
 def live_job_ids(broker_url: str, queue_prefix: str = "jobs.", unacked_max_age: float | None = None) -> set[str]:
@@ -61,7 +63,7 @@ def live_job_ids(broker_url: str, queue_prefix: str = "jobs.", unacked_max_age: 
             if client.type(key) != b"list":
                 continue
             for raw in client.lrange(key, 0, -1):
-                ids.add(_parse(raw))
+                ids.update(_parse(raw))
         recent: set[bytes] | None = None
         if unacked_max_age is not None:
             recent = set(client.zrangebyscore(UNACKED_INDEX_KEY, time.time() - unacked_max_age, "+inf"))
@@ -73,15 +75,14 @@ def live_job_ids(broker_url: str, queue_prefix: str = "jobs.", unacked_max_age: 
             except ValueError:
                 continue
             if isinstance(envelope, list) and envelope:
-                ids.add(_job_id(envelope[0]) or "")
-        ids.discard("")
+                ids.update(_job_ids(envelope[0]))
         return ids
     finally:
         client.close()
 
 
-def _parse(raw: bytes) -> str:
+def _parse(raw: bytes) -> list[str]:
     try:
-        return _job_id(json.loads(raw)) or ""
+        return _job_ids(json.loads(raw))
     except ValueError:
-        return ""
+        return []

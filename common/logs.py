@@ -92,10 +92,10 @@ def install_task_log_fields() -> None:
 
     def before(task_id: str | None = None, task: Any = None, args: Any = None, **_: object) -> None:
         name = getattr(task, "name", "")
-        first = str(args[0]) if args else None
+        first = str(args[0]) if args and not isinstance(args[0], list) else None
         fields = {"task_id": task_id}
         if name == TASK_RUN_JOB:
-            fields["job_id"] = first
+            fields["job_id"] = first  # a message of several jobs: each job's thread logs its own
         elif name in BATCH_TASKS:
             fields["batch_id"] = first
         if task_id is not None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 from celery import Celery
 
@@ -94,23 +95,37 @@ def send_run_job(app: Celery, settings: Settings, job_id: str, priority: int) ->
     send_run_jobs(app, settings, [job_id], priority)
 
 
+def run_job_args(job_ids: Iterable[str], per_message: int) -> Iterator[list[Any]]:
+    """run_job's arguments for `job_ids`, at most `per_message` to a message: a lone job as its id (the form
+    every vlmq release reads), several as one list of ids."""
+    chunk: list[str] = []
+    for job_id in job_ids:
+        chunk.append(job_id)
+        if len(chunk) == per_message:
+            yield [chunk[0]] if per_message == 1 else [chunk]
+            chunk = []
+    if chunk:
+        yield [chunk[0]] if len(chunk) == 1 else [chunk]
+
+
 def send_run_jobs(app: Celery, settings: Settings, job_ids: Iterable[str], priority: int) -> int:
-    """Dispatch many jobs over one broker connection (ingestion sends thousands per chunk)."""
+    """Dispatch many jobs over one broker connection (ingestion sends thousands per chunk), up to
+    `job_ids_per_message` to a message; returns the number of jobs sent."""
+    messages = list(run_job_args(job_ids, settings.job_ids_per_message))
+    sent = sum(len(args[0]) if isinstance(args[0], list) else 1 for args in messages)
     direct = _direct_sender(app)
     if direct is not None:
-        return direct.send(TASK_RUN_JOB, ([job_id] for job_id in job_ids), settings.job_queue,
-                           celery_priority(priority))
-    sent = 0
+        direct.send(TASK_RUN_JOB, messages, settings.job_queue, celery_priority(priority))
+        return sent
     with app.producer_or_acquire() as producer:
         # kombu >= 5.7 can buffer a producer's publishes into one Redis pipeline (one client and one round
         # trip per 1,000 messages instead of per message: ~2x cheaper a message, bench/ingest.py); a failed
         # flush raises here, as a failed single send would.
         batch = getattr(producer, "batch", None)
         with batch() if batch is not None else contextlib.nullcontext():
-            for job_id in job_ids:
-                app.send_task(TASK_RUN_JOB, args=[job_id], queue=settings.job_queue,
+            for args in messages:
+                app.send_task(TASK_RUN_JOB, args=args, queue=settings.job_queue,
                               priority=celery_priority(priority), producer=producer)
-                sent += 1
     return sent
 
 

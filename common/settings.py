@@ -150,6 +150,10 @@ class Settings(BaseSettings):
     # model at a time (sent or running), refilled as they finish, so a tenant with a million queued rows holds
     # a window of the queue, not all of it. Size it above the jobs all workers of a model hold in flight.
     dispatch_window: int = Field(default=2048, ge=1, description="Jobs per tenant and model in the broker.")
+    # Jobs sent together (a batch's chunks, POSTs written in one transaction) share run_job messages: Celery's
+    # receipt, task call and ack cost a worker ~1 ms of CPU a message (bench/celery_messages.py). A worker
+    # counts such a message as that many of its `worker_concurrency` slots, so it holds no more jobs.
+    job_ids_per_message: int = Field(default=16, ge=1, le=256, description="Most jobs one run_job message carries.")
     # Maintenance (Celery beat, `vlmq beat` or `vlmq ingest-worker --beat`): reap expired leases, send again
     # what the broker lost, top up dispatch windows, expire and finalize batches.
     sweep_interval_seconds: float = Field(default=30.0, gt=0, description="How often the sweep runs.")

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from celery import Celery, Task
+from celery.signals import task_received
 
 from common import batches, dispatch, jobs
 from common.db import Database, get_database
@@ -30,8 +31,9 @@ from common.queue import (
 )
 from common.settings import Settings, get_settings
 from common.storage import ObjectStore, make_store
-from worker.context import get_context
+from worker.context import WorkerContext, get_context
 from worker.pipeline import Outcome
+from worker.prefetch_share import PrefetchShare
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +53,8 @@ _batch_contexts: dict[int, BatchContext] = {}
 AFTER_JOB_INTERVAL_SECONDS = 0.1
 _after_job_work = Debouncer(AFTER_JOB_INTERVAL_SECONDS, name="vlmq-after-job")
 _batch_lock = threading.Lock()
+# Slots of the worker's prefetch taken by messages of several jobs (worker/prefetch_share.py).
+_prefetch = PrefetchShare()
 
 
 def batch_context(app: Celery) -> BatchContext:
@@ -69,18 +73,22 @@ def _backoff(task: Task, base: float) -> float:
 
 
 def register_tasks(app: Celery) -> None:
+    task_received.connect(_prefetch.on_task_received, weak=False, dispatch_uid="vlmq-prefetch-share")
     # Tasks use this `app`, not `self.app`: in a worker thread that did not make the app current (the
     # embedded worker), Celery resolves `self.app` to its unconfigured default app.
     @app.task(name=TASK_RUN_JOB, bind=True, acks_late=True, max_retries=None)
-    def run_job(self: Task, job_id: str) -> str:
+    def run_job(self: Task, job_ids: str | list[str]) -> str | list[str]:
+        """One job (its id), or several sent together (a list of ids: common/queue.run_job_args)."""
         ctx = get_context()
+        if isinstance(job_ids, list):
+            return _run_jobs(self, app, ctx, [str(job_id) for job_id in job_ids])
         try:
-            outcome = ctx.pipeline.run(job_id)
+            outcome = ctx.pipeline.run(job_ids)
         except Exception as exc:
             # SQL unreachable before the job was even claimed: the row is still queued, so deliver again later.
             raise self.retry(exc=exc, countdown=ctx.settings.retry_backoff_seconds, max_retries=20) from exc
         if not outcome.retry and outcome.status != "skipped":
-            _after_job(app, ctx.db, ctx.settings, job_id, outcome)
+            _after_job(app, ctx.db, ctx.settings, job_ids, outcome)
         if outcome.retry:
             raise self.retry(countdown=_backoff(self, ctx.settings.retry_backoff_seconds))
         return outcome.status
@@ -149,6 +157,32 @@ def register_tasks(app: Celery) -> None:
         for batch_id in due:
             send_finalize_batch(app, ctx.settings, batch_id)
         return len(due)
+
+
+def _run_jobs(task: Task, app: Celery, ctx: WorkerContext, job_ids: list[str]) -> list[str]:
+    """The jobs of one message side by side; those to run again (released, or not reached for SQL trouble)
+    go back in one message of their own, as a lone job's message would be retried."""
+    task_id = task.request.id
+    try:
+        results = ctx.groups.run(job_ids, on_job_done=lambda: _prefetch.give_back(task_id, 1))
+    finally:
+        _prefetch.give_back(task_id)
+    statuses, again, error = [], [], None
+    for job_id, result in zip(job_ids, results, strict=True):
+        if isinstance(result, Exception):
+            again.append(job_id)
+            error = result
+            continue
+        statuses.append(result.status)
+        if result.retry:
+            again.append(job_id)
+        elif result.status != "skipped":
+            _after_job(app, ctx.db, ctx.settings, job_id, result)
+    if error is not None:
+        raise task.retry(args=[again], exc=error, countdown=ctx.settings.retry_backoff_seconds, max_retries=20)
+    if again:
+        raise task.retry(args=[again], countdown=_backoff(task, ctx.settings.retry_backoff_seconds))
+    return statuses
 
 
 def _republish_lost(ctx: BatchContext) -> None:

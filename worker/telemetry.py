@@ -79,11 +79,13 @@ class WorkerTelemetry:
         return self
 
     def _on_task_done(self, sender: Any = None, retval: Any = None, **_: object) -> None:
-        # run_job returns the job's status after this attempt (a retry raises instead); "skipped" duplicates
-        # are counted too, since they show how often the broker redelivers.
-        if getattr(sender, "name", None) == TASK_RUN_JOB and isinstance(retval, str):
-            with self._lock:
-                self.jobs[retval] += 1
+        # run_job returns the job's status after this attempt, or a list for a message of several (a retry
+        # raises instead); "skipped" duplicates are counted too, since they show how often the broker redelivers.
+        if getattr(sender, "name", None) != TASK_RUN_JOB:
+            return
+        statuses = [retval] if isinstance(retval, str) else retval if isinstance(retval, list) else []
+        with self._lock:
+            self.jobs.update(status for status in statuses if isinstance(status, str))
 
     def serve(self, port: int) -> None:
         """Prometheus /metrics on `port` (all interfaces: scraped from other hosts)."""

@@ -14,7 +14,14 @@ from typing import Any
 import redis
 
 from common.broker_messages import live_job_ids
-from common.queue import TASK_RUN_JOB, _direct_sender, celery_priority, make_celery, send_run_jobs
+from common.queue import (
+    TASK_RUN_JOB,
+    _direct_sender,
+    celery_priority,
+    make_celery,
+    run_job_args,
+    send_run_jobs,
+)
 from common.settings import Settings
 
 
@@ -63,6 +70,34 @@ def test_direct_messages_match_celerys(redis_url: str) -> None:
     client.flushdb()
 
 
+def test_jobs_sent_together_share_messages_up_to_the_setting() -> None:
+    ids = [f"j{i}" for i in range(7)]
+    assert list(run_job_args(ids, 3)) == [[["j0", "j1", "j2"]], [["j3", "j4", "j5"]], ["j6"]]
+    assert list(run_job_args(ids[:2], 16)) == [[["j0", "j1"]]]
+    assert list(run_job_args(ids[:3], 1)) == [["j0"], ["j1"], ["j2"]]  # one job a message: the lone-id form
+    assert list(run_job_args([], 16)) == []
+
+
+def test_grouped_messages_match_celerys_and_the_republisher_reads_them(redis_url: str) -> None:
+    settings = _settings(redis_url).model_copy(update={"job_ids_per_message": 4})
+    app = make_celery(settings)
+    client = redis.Redis.from_url(redis_url)
+    client.flushdb()
+    assert send_run_jobs(app, settings, [f"job{i}" for i in range(10)], 7) == 10
+    (_, messages), = _lists(client).items()
+    args = [json.loads(base64.b64decode(m["body"]))[0] for m in messages]
+    # LPUSH puts the first message sent last in the list (consumers BRPOP from the other end).
+    assert args[::-1] == [[["job0", "job1", "job2", "job3"]], [["job4", "job5", "job6", "job7"]],
+                          [["job8", "job9"]]]
+    assert live_job_ids(redis_url) == {f"job{i}" for i in range(10)}
+    client.flushdb()
+    app.send_task(TASK_RUN_JOB, args=[["job0", "job1"]], queue=settings.job_queue, priority=celery_priority(7))
+    (_, (theirs,)), = _lists(client).items()
+    assert _shape(messages[0]) == _shape(theirs)
+    assert live_job_ids(redis_url) == {"job0", "job1"}  # Celery's own envelope reads the same
+    client.flushdb()
+
+
 _WORKER = """
 import sys
 import redis
@@ -73,8 +108,8 @@ app = make_celery(settings)
 client = redis.Redis.from_url(sys.argv[1])
 
 @app.task(name=TASK_RUN_JOB)
-def run_job(job_id):
-    client.rpush("ran", job_id)
+def run_job(job_ids):
+    client.rpush("ran", *(job_ids if isinstance(job_ids, list) else [job_ids]))
 
 app.worker_main(["worker", "-Q", settings.job_queue, "-P", "solo", "-c", "1", "--without-heartbeat",
                  "--without-mingle", "--without-gossip", "-l", "warning"])

@@ -1,0 +1,121 @@
+"""What a run_job message costs a worker, by how many jobs it carries (`VLMQ_JOB_IDS_PER_MESSAGE`).
+
+A real Celery worker process (vlmq's app and its run_job task, threads pool, concurrency 64) consumes jobs
+whose pipeline does nothing (each job returns at once), so what is measured is the delivery: Celery's receipt,
+task call and ack, and vlmq's grouping (worker/job_group.py, worker/prefetch_share.py). The messages are
+written by common/queue.send_run_jobs, as the API and ingestion write them. Rounds alternate the group sizes;
+medians of the worker's CPU per job and the wall time to drain them.
+
+    .venv/bin/python bench/celery_messages.py [--jobs 3000] [--rounds 5] [--sizes 1,4,16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import redis
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from common.queue import make_celery, send_run_jobs  # noqa: E402
+from common.settings import Settings  # noqa: E402
+
+_WORKER = """
+import sys
+from types import SimpleNamespace
+import redis
+from common.queue import make_celery
+from common.settings import Settings
+from worker import context, tasks
+from worker.job_group import JobGroupRunner
+from worker.pipeline import Outcome
+
+settings = Settings(broker_url=sys.argv[1], model="/models/bench-messages")
+client = redis.Redis.from_url(sys.argv[1])
+
+class Pipeline:
+    def run(self, job_id):
+        client.incr("done")
+        return Outcome("skipped")
+
+pipeline = Pipeline()
+context.set_context(SimpleNamespace(settings=settings, pipeline=pipeline, groups=JobGroupRunner(pipeline, 80)))
+app = make_celery(settings)
+tasks.register_tasks(app)
+app.worker_main(["worker", "-Q", settings.job_queue, "-P", "threads", "-c", "64", "--without-heartbeat",
+                 "--without-mingle", "--without-gossip", "-l", "warning"])
+"""
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def one_round(broker_url: str, per_message: int, jobs: int) -> tuple[float, float]:
+    """(worker CPU ms per job, seconds to drain) for `jobs` jobs sent `per_message` to a message."""
+    client = redis.Redis.from_url(broker_url)
+    client.flushdb()
+    worker = subprocess.Popen([sys.executable, "-c", _WORKER, broker_url], cwd=ROOT,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        settings = Settings(broker_url=broker_url, model="/models/bench-messages", job_ids_per_message=per_message)
+        app = make_celery(settings)
+        send_run_jobs(app, settings, ["warm-up"], 5)
+        deadline = time.monotonic() + 60
+        while int(client.get("done") or 0) < 1:
+            if worker.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the bench worker did not start")
+            time.sleep(0.05)
+        time.sleep(0.5)
+        client.set("done", 0)
+        cpu, start = _cpu_seconds(worker.pid), time.perf_counter()
+        send_run_jobs(app, settings, [f"job{i}" for i in range(jobs)], 5)
+        while int(client.get("done") or 0) < jobs:
+            if worker.poll() is not None or time.monotonic() > deadline + 300:
+                raise RuntimeError("the bench worker stopped or stalled")
+            time.sleep(0.01)
+        seconds = time.perf_counter() - start
+        return 1000 * (_cpu_seconds(worker.pid) - cpu) / jobs, seconds
+    finally:
+        worker.terminate()
+        worker.wait(30)
+        client.flushdb()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--jobs", type=int, default=3000)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--sizes", default="1,4,16", help="jobs per message to compare")
+    parser.add_argument("--broker", default="redis://127.0.0.1:6379/13")
+    args = parser.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; {args.jobs} jobs a round, "
+          f"{args.rounds} rounds alternating")
+    results: dict[int, list[tuple[float, float]]] = {size: [] for size in sizes}
+    for _ in range(args.rounds):
+        for size in sizes:
+            results[size].append(one_round(args.broker, size, args.jobs))
+    base_cpu = statistics.median(r[0] for r in results[sizes[0]])
+    base_wall = statistics.median(r[1] for r in results[sizes[0]])
+    print(f"{'jobs/message':>12} {'CPU ms/job':>11} {'vs ' + str(sizes[0]):>8} {'drain s':>8} {'jobs/s':>8}")
+    for size in sizes:
+        cpu = statistics.median(r[0] for r in results[size])
+        wall = statistics.median(r[1] for r in results[size])
+        print(f"{size:>12} {cpu:>11.3f} {base_cpu / cpu:>7.2f}x {wall:>8.2f} {args.jobs / wall:>8.0f}"
+              f"   (CPU {', '.join(f'{r[0]:.3f}' for r in results[size])})")
+    print(f"drain time vs {sizes[0]}: " + ", ".join(
+        f"{size}: {base_wall / statistics.median(r[1] for r in results[size]):.2f}x" for size in sizes))
+
+
+if __name__ == "__main__":
+    main()
