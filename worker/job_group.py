@@ -19,12 +19,14 @@ class JobGroupRunner:
         self.pipeline = pipeline
         self._pool = ThreadPoolExecutor(max_threads, thread_name_prefix="vlmq-job")
 
-    def run(self, job_ids: list[str], on_job_done: Callable[[], None] | None = None) -> list[Outcome | Exception]:
-        """Each job's outcome, or the exception its run raised (SQL unreachable before the claim), in order."""
+    def run(self, job_ids: list[str], on_job_done: Callable[[str, Outcome | Exception], None] | None = None,
+            ) -> list[Outcome | Exception]:
+        """Each job's outcome, or the exception its run raised (SQL unreachable before the claim), in order;
+        `on_job_done(job_id, outcome)` is called as each ends, on the job's thread."""
         futures = [self._pool.submit(self._run_one, job_id) for job_id in job_ids]
         if on_job_done is not None:
-            for future in futures:
-                future.add_done_callback(lambda _: on_job_done())
+            for job_id, future in zip(job_ids, futures, strict=True):
+                future.add_done_callback(lambda f, job_id=job_id: on_job_done(job_id, _outcome(f)))
         wait(futures)
         return [_outcome(future) for future in futures]
 

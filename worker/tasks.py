@@ -163,26 +163,24 @@ def _run_jobs(task: Task, app: Celery, ctx: WorkerContext, job_ids: list[str]) -
     """The jobs of one message side by side; those to run again (released, or not reached for SQL trouble)
     go back in one message of their own, as a lone job's message would be retried."""
     task_id = task.request.id
+
+    def ended(job_id: str, result: Outcome | Exception) -> None:
+        _prefetch.give_back(task_id, 1)  # a slot of this message's for the worker's next job
+        if isinstance(result, Outcome) and not result.retry and result.status != "skipped":
+            _after_job(app, ctx.db, ctx.settings, job_id, result)
+
     try:
-        results = ctx.groups.run(job_ids, on_job_done=lambda: _prefetch.give_back(task_id, 1))
+        results = ctx.groups.run(job_ids, on_job_done=ended)
     finally:
         _prefetch.give_back(task_id)
-    statuses, again, error = [], [], None
-    for job_id, result in zip(job_ids, results, strict=True):
-        if isinstance(result, Exception):
-            again.append(job_id)
-            error = result
-            continue
-        statuses.append(result.status)
-        if result.retry:
-            again.append(job_id)
-        elif result.status != "skipped":
-            _after_job(app, ctx.db, ctx.settings, job_id, result)
-    if error is not None:
-        raise task.retry(args=[again], exc=error, countdown=ctx.settings.retry_backoff_seconds, max_retries=20)
+    again = [job_id for job_id, result in zip(job_ids, results, strict=True)
+             if isinstance(result, Exception) or result.retry]
+    errors = [result for result in results if isinstance(result, Exception)]
+    if errors:
+        raise task.retry(args=[again], exc=errors[0], countdown=ctx.settings.retry_backoff_seconds, max_retries=20)
     if again:
         raise task.retry(args=[again], countdown=_backoff(task, ctx.settings.retry_backoff_seconds))
-    return statuses
+    return [result.status for result in results if isinstance(result, Outcome)]
 
 
 def _republish_lost(ctx: BatchContext) -> None:
