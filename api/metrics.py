@@ -85,7 +85,9 @@ class _StateCollector(Collector):
             log.warning("metrics: queue depths unavailable: %s", exc)
             depths = {}
         gauge = GaugeMetricFamily("vlmq_queue_depth", "Messages waiting in each broker queue (unacked: taken, "
-                                                       "not yet acked).", labels=["queue"])
+                                                       "not yet acked); a run_job message carries 1 to "
+                                                       "VLMQ_JOB_IDS_PER_MESSAGE jobs (vlmq_jobs counts jobs).",
+                                  labels=["queue"])
         for queue, n in sorted(depths.items()):
             gauge.add_metric([queue], n)
         yield gauge

@@ -1,6 +1,6 @@
 """run_job messages that carry several jobs, through a real Celery worker (threads pool) on Redis: the worker
 holds no more jobs than its concurrency however they are grouped (worker/prefetch_share.py), runs each job
-once, and sends again, in a message of their own, only the jobs that asked to be retried."""
+once, and sends again, in a message of their own, only the jobs that asked to be retried or whose run raised."""
 
 from __future__ import annotations
 
@@ -42,9 +42,12 @@ class Pipeline:
             client.rpush("ran", job_id)
             while not client.exists("go"):
                 time.sleep(0.01)
-            # A job that asks to run again does so once (the retried message carries it alone).
+            # A job that asks to run again does so once (the retried message carries it alone), as does one
+            # whose first run raised (SQL unreachable before its claim).
             if job_id.startswith("again") and client.incr(f"tries:{job_id}") == 1:
                 return Outcome("queued", retry=True)
+            if job_id.startswith("broken") and client.incr(f"tries:{job_id}") == 1:
+                raise RuntimeError("SQL is down")
             return Outcome("skipped")  # no SQL here: nothing for the after-job bookkeeping to do
         finally:
             with lock:
@@ -64,7 +67,7 @@ def test_a_worker_holds_its_concurrency_in_jobs_and_retries_only_what_asked(redi
     client = redis.Redis.from_url(redis_url)
     client.flushdb()
     app = make_celery(settings)
-    ids = [f"job{i}" for i in range(14)] + ["again0", "again1"]
+    ids = [f"job{i}" for i in range(13)] + ["again0", "broken0", "again1"]
     send_run_jobs(app, settings, ids, 5)  # four messages of four jobs
     worker = subprocess.Popen([sys.executable, "-c", _WORKER, redis_url], cwd=Path(__file__).parents[2])
     try:
@@ -75,11 +78,11 @@ def test_a_worker_holds_its_concurrency_in_jobs_and_retries_only_what_asked(redi
         # Concurrency 4 and messages of 4: the first message holds all four slots.
         assert client.llen("ran") == 4
         client.set("go", 1)
-        while client.llen("ran") < len(ids) + 2 and time.monotonic() < deadline and worker.poll() is None:
+        while client.llen("ran") < len(ids) + 3 and time.monotonic() < deadline and worker.poll() is None:
             time.sleep(0.05)
         time.sleep(0.5)
         ran = [m.decode() for m in client.lrange("ran", 0, -1)]
-        assert sorted(ran) == sorted([*ids, "again0", "again1"])  # each once, the two retried once more
+        assert sorted(ran) == sorted([*ids, "again0", "again1", "broken0"])  # each once, three once more
         # A message taken while its predecessor's last job runs may overshoot by its own size less one.
         assert int(client.get("most_running") or 0) <= 4 + 4 - 1
     finally:
