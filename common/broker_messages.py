@@ -40,12 +40,11 @@ def _job_ids(message: Any) -> list[str]:
         body = message.get("body")
         if message.get("properties", {}).get("body_encoding") == "base64":
             body = base64.b64decode(body)
-        args = json.loads(body)[0]
+        first = json.loads(body)[0][0]
     except (ValueError, TypeError, IndexError, KeyError):
         return []
-    if not args:
-        return []
-    return [str(job_id) for job_id in args[0]] if isinstance(args[0], list) else [str(args[0])]
+    ids = first if isinstance(first, list) else [first]
+    return [job_id for job_id in ids if isinstance(job_id, str)]
 
 
 def live_job_ids(broker_url: str, queue_prefix: str = "jobs.", unacked_max_age: float | None = None) -> set[str]:

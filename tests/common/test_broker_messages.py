@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import time
 import uuid
 from datetime import timedelta
@@ -11,7 +12,7 @@ import redis
 from sqlalchemy import select
 
 from common import dispatch, jobs
-from common.broker_messages import BrokerNotInspectable, live_job_ids
+from common.broker_messages import BrokerNotInspectable, _job_ids, live_job_ids
 from common.db import Database
 from common.models import Job
 from common.queue import make_celery, model_sender
@@ -60,3 +61,12 @@ def test_live_ids_cover_queued_and_unacked_messages_and_lost_ones_are_resent(db:
 def test_only_redis_can_be_listed() -> None:
     with pytest.raises(BrokerNotInspectable):
         live_job_ids("memory://")
+
+
+@pytest.mark.parametrize("body", [b'[["job-1"], {}, {}]', b'[[["job-1", "job-2"]], {}, {}]', b'[[], {}, {}]',
+                                  b'[{"a": 1}, {}, {}]', b'[[{"x": 1}], {}]', b'not json', b'{}'])
+def test_any_body_reads_as_its_job_ids_or_none(body: bytes) -> None:
+    message = {"headers": {"task": "vlmq.run_job"}, "body": base64.b64encode(body).decode(),
+               "properties": {"body_encoding": "base64"}}
+    expected = {b'[["job-1"], {}, {}]': ["job-1"], b'[[["job-1", "job-2"]], {}, {}]': ["job-1", "job-2"]}
+    assert _job_ids(message) == expected.get(body, [])  # anything else, ours or not, names no job
