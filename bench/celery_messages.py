@@ -87,7 +87,11 @@ def one_round(broker_url: str, per_message: int, jobs: int) -> tuple[float, floa
         return 1000 * (_cpu_seconds(worker.pid) - cpu) / jobs, seconds
     finally:
         worker.terminate()
-        worker.wait(30)
+        try:
+            worker.wait(30)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+            worker.wait(10)
         client.flushdb()
 
 
