@@ -1,10 +1,11 @@
 """What a run_job message costs a worker, by how many jobs it carries (`VLMQ_JOB_IDS_PER_MESSAGE`).
 
-A real Celery worker process (vlmq's app and its run_job task, threads pool, concurrency 64) consumes jobs
-whose pipeline does nothing (each job returns at once), so what is measured is the delivery: Celery's receipt,
-task call and ack, and vlmq's grouping (worker/job_group.py, worker/prefetch_share.py). The messages are
-written by common/queue.send_run_jobs, as the API and ingestion write them. Rounds alternate the group sizes;
-medians of the worker's CPU per job and the wall time to drain them.
+A real Celery worker process (vlmq's app and its run_job task, threads pool, concurrency 64:
+tests/stub_worker.py) consumes jobs whose pipeline does nothing (each job returns at once), so what is measured
+is the delivery: Celery's receipt, task call and ack, and vlmq's grouping (worker/job_group.py,
+worker/prefetch_share.py). The messages are written by common/queue.send_run_jobs, as the API and ingestion
+write them. Rounds alternate the group sizes; medians of the worker's CPU per job and the wall time to drain
+them.
 
     .venv/bin/python bench/celery_messages.py [--jobs 3000] [--rounds 5] [--sizes 1,4,16]
 """
@@ -15,7 +16,6 @@ import argparse
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,32 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 from common.queue import make_celery, send_run_jobs  # noqa: E402
 from common.settings import Settings  # noqa: E402
-
-_WORKER = """
-import sys
-from types import SimpleNamespace
-import redis
-from common.queue import make_celery
-from common.settings import Settings
-from worker import context, tasks
-from worker.job_group import JobGroupRunner
-from worker.pipeline import Outcome
-
-settings = Settings(broker_url=sys.argv[1], model="/models/bench-messages")
-client = redis.Redis.from_url(sys.argv[1])
-
-class Pipeline:
-    def run(self, job_id):
-        client.incr("done")
-        return Outcome("skipped")
-
-pipeline = Pipeline()
-context.set_context(SimpleNamespace(settings=settings, pipeline=pipeline, groups=JobGroupRunner(pipeline, 80)))
-app = make_celery(settings)
-tasks.register_tasks(app)
-app.worker_main(["worker", "-Q", settings.job_queue, "-P", "threads", "-c", "64", "--without-heartbeat",
-                 "--without-mingle", "--without-gossip", "-l", "warning"])
-"""
+from tests import stub_worker  # noqa: E402
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -64,10 +39,9 @@ def one_round(broker_url: str, per_message: int, jobs: int) -> tuple[float, floa
     """(worker CPU ms per job, seconds to drain) for `jobs` jobs sent `per_message` to a message."""
     client = redis.Redis.from_url(broker_url)
     client.flushdb()
-    worker = subprocess.Popen([sys.executable, "-c", _WORKER, broker_url], cwd=ROOT,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    worker = stub_worker.start(broker_url, "instant", 64, quiet=True)
     try:
-        settings = Settings(broker_url=broker_url, model="/models/bench-messages", job_ids_per_message=per_message)
+        settings = Settings(broker_url=broker_url, model=stub_worker.MODEL, job_ids_per_message=per_message)
         app = make_celery(settings)
         send_run_jobs(app, settings, ["warm-up"], 5)
         deadline = time.monotonic() + 60
@@ -86,12 +60,7 @@ def one_round(broker_url: str, per_message: int, jobs: int) -> tuple[float, floa
         seconds = time.perf_counter() - start
         return 1000 * (_cpu_seconds(worker.pid) - cpu) / jobs, seconds
     finally:
-        worker.terminate()
-        try:
-            worker.wait(30)
-        except subprocess.TimeoutExpired:
-            worker.kill()
-            worker.wait(10)
+        stub_worker.stop(worker)
         client.flushdb()
 
 

@@ -4,10 +4,7 @@ once, and sends again, in a message of their own, only the jobs that asked to be
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import redis
@@ -15,61 +12,18 @@ from kombu.common import QoS
 
 from common.queue import make_celery, send_run_jobs
 from common.settings import Settings
+from tests import stub_worker
 from worker.prefetch_share import PrefetchShare
-
-_WORKER = """
-import sys, threading, time
-from types import SimpleNamespace
-import redis
-from common.queue import make_celery
-from common.settings import Settings
-from worker import context, tasks
-from worker.job_group import JobGroupRunner
-from worker.pipeline import Outcome
-
-settings = Settings(broker_url=sys.argv[1], model="/models/job-messages", retry_backoff_seconds=0)
-client = redis.Redis.from_url(sys.argv[1])
-running = 0
-lock = threading.Lock()
-
-class Pipeline:
-    def run(self, job_id):
-        global running
-        with lock:
-            running += 1
-            client.set("most_running", max(running, int(client.get("most_running") or 0)))
-        try:
-            client.rpush("ran", job_id)
-            while not client.exists("go"):
-                time.sleep(0.01)
-            # A job that asks to run again does so once (the retried message carries it alone), as does one
-            # whose first run raised (SQL unreachable before its claim).
-            if job_id.startswith("again") and client.incr(f"tries:{job_id}") == 1:
-                return Outcome("queued", retry=True)
-            if job_id.startswith("broken") and client.incr(f"tries:{job_id}") == 1:
-                raise RuntimeError("SQL is down")
-            return Outcome("skipped")  # no SQL here: nothing for the after-job bookkeeping to do
-        finally:
-            with lock:
-                running -= 1
-
-pipeline = Pipeline()
-context.set_context(SimpleNamespace(settings=settings, pipeline=pipeline, groups=JobGroupRunner(pipeline, 64)))
-app = make_celery(settings)
-tasks.register_tasks(app)
-app.worker_main(["worker", "-Q", settings.job_queue, "-P", "threads", "-c", "4", "--without-heartbeat",
-                 "--without-mingle", "--without-gossip", "-l", "warning"])
-"""
 
 
 def test_a_worker_holds_its_concurrency_in_jobs_and_retries_only_what_asked(redis_url: str) -> None:
-    settings = Settings(broker_url=redis_url, model="/models/job-messages", job_ids_per_message=4)
+    settings = Settings(broker_url=redis_url, model=stub_worker.MODEL, job_ids_per_message=4)
     client = redis.Redis.from_url(redis_url)
     client.flushdb()
     app = make_celery(settings)
     ids = [f"job{i}" for i in range(13)] + ["again0", "broken0", "again1"]
     send_run_jobs(app, settings, ids, 5)  # four messages of four jobs
-    worker = subprocess.Popen([sys.executable, "-c", _WORKER, redis_url], cwd=Path(__file__).parents[2])
+    worker = stub_worker.start(redis_url, "held", 4)  # jobs "again*" retry once, "broken*" raise once
     try:
         deadline = time.monotonic() + 60
         while client.llen("ran") < 4 and time.monotonic() < deadline and worker.poll() is None:
@@ -87,12 +41,7 @@ def test_a_worker_holds_its_concurrency_in_jobs_and_retries_only_what_asked(redi
         assert int(client.get("most_running") or 0) <= 4 + 4 - 1
     finally:
         client.set("go", 1)  # a warm shutdown waits for the jobs it holds: let them end
-        worker.terminate()
-        try:
-            worker.wait(30)
-        except subprocess.TimeoutExpired:
-            worker.kill()
-            worker.wait(10)
+        stub_worker.stop(worker)
         client.flushdb()
 
 
