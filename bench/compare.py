@@ -196,19 +196,19 @@ def run_service(path: Path, jobs: list[GenerationRequest], threads: int, work: P
             time.sleep(1.0 if spies else 0)
             metrics_before = stack.worker_metrics()
             cpu_before, client_before = stack.cpu_seconds(s3_pid), os.times()
-            start = time.perf_counter()
+            start, sent_at = time.perf_counter(), time.time()
             submission.submit()
             while not submission.done(conn):
                 conn.commit()
                 time.sleep(0.02)
             seconds = time.perf_counter() - start
             cpu_after, client_after = stack.cpu_seconds(s3_pid), os.times()
+            # Seconds after the first byte was sent (the database's clock is this machine's).
             spans = conn.execute(text(
-                "SELECT extract(epoch FROM max(created_at) - min(created_at)),"
-                " extract(epoch FROM min(started_at) - min(created_at)),"
-                " extract(epoch FROM max(started_at) - min(created_at)),"
-                " extract(epoch FROM min(finished_at) - min(created_at)),"
-                " extract(epoch FROM max(finished_at) - min(created_at)) FROM jobs")).one()
+                "SELECT extract(epoch FROM min(created_at)) - :t, extract(epoch FROM max(created_at)) - :t,"
+                " extract(epoch FROM min(started_at)) - :t, extract(epoch FROM max(started_at)) - :t,"
+                " extract(epoch FROM min(finished_at)) - :t, extract(epoch FROM max(finished_at)) - :t,"
+                " (SELECT extract(epoch FROM max(completed_at)) - :t FROM batches) FROM jobs"), {"t": sent_at}).one()
             for spy in spies:
                 spy.send_signal(signal.SIGINT)
                 spy.wait(30)
@@ -245,8 +245,10 @@ def run_service(path: Path, jobs: list[GenerationRequest], threads: int, work: P
                                                           for name, s in spent.items())
               + f"; total {sum(spent.values()):.2f}s of CPU in {seconds:.2f}s wall; "
               + f"{transactions / len(jobs):.1f} Postgres transactions per job")
-        print(f"  {name} timeline (s after the first job was written): "
-              + "last written {:.2f}, claimed {:.2f}-{:.2f}, finished {:.2f}-{:.2f}".format(*(float(x) for x in spans)))
+        print(f"  {name} timeline (s after the first byte sent): "
+              + "jobs written {:.2f}-{:.2f}, claimed {:.2f}-{:.2f}, finished {:.2f}-{:.2f}".format(
+                  *(float(x) for x in spans[:6]))
+              + ("" if spans[6] is None else f", batch completed {float(spans[6]):.2f}") + f", seen done {seconds:.2f}")
         texts = submission.texts()
         submission.close()
         for part in stack.processes:  # a fast run that logged trouble on the way is not a clean run

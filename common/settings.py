@@ -82,6 +82,10 @@ class Settings(BaseSettings):
     engine_process: bool = Field(
         default=True, description="Run the paged engine in a child process, so that its Python does not share a "
         "GIL with the worker's per-job work (delivery, SQL, S3, prompt encoding).")
+    prepare_processes: int = Field(
+        default=0, ge=0, le=64,
+        description="Processes that prepare image jobs' inputs (fetch, decode, chat template, processor) for the "
+        "paged engine, off the worker's one GIL (worker/prepare_pool.py). 0: in the job's own thread.")
     engine_nice: int = Field(
         default=5, ge=0, le=19,
         description="Niceness added to the engine process: where it shares CPUs with the per-job work that feeds "

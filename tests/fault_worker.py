@@ -42,15 +42,17 @@ def install(faults: str) -> None:
 
             JobPipeline._finish = finish_or_crash  # type: ignore[method-assign]
         elif kind == "poison":
-            build = JobPipeline._build_request
+            import worker.pipeline
 
-            def build_or_die(self: JobPipeline, job: Any, _build: Any = build, _word: str = arg) -> Any:
-                request = _build(self, job)
+            build = worker.pipeline.generation_request
+
+            def build_or_die(*args: Any, _build: Any = build, _word: str = arg, **kwargs: Any) -> Any:
+                request = _build(*args, **kwargs)
                 if any(_word in part.get("text", "") for m in request.messages for part in m["content"]):
                     _die()
                 return request
 
-            JobPipeline._build_request = build_or_die  # type: ignore[method-assign]
+            worker.pipeline.generation_request = build_or_die  # type: ignore[assignment]
         else:
             raise SystemExit(f"unknown fault {fault!r}")
 

@@ -175,3 +175,11 @@ def local_stack(s3_env: dict[str, str], session_redis_url: str, model: Path, wor
         redis.Redis.from_url(redis_url).flushdb()
         with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def metric_values(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """A Prometheus /metrics page as {(sample name, sorted labels): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}

@@ -1,7 +1,8 @@
 """One job type, the whole path: HTTP -> Postgres/S3 -> Redis -> a real `vlmq worker` process -> S3/SQL.
 
 Twenty jobs with different images and prompts must all succeed, and each answer must be exactly what HF
-`generate` gives for that job alone, although the worker ran them together in batches.
+`generate` gives for that job alone, although the worker ran them together in batches; with the images
+prepared in the job threads and in a pool of prepare processes alike.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from PIL import Image
 from tests.api.test_jobs_api import data_url
 from tests.common.test_image_structure import png_with_checked_but_broken_pixels
 from tests.conftest import ApiServer, settings_from_env
+from tests.fault_stack import free_port
 from tests.hf_reference import hf_messages, hf_reference_answer
+from tests.stack import metric_values
 from worker.model_loader import load_model
 
 WORDS = "what colour is the shape describe this picture briefly how many things can you see here".split()
@@ -66,10 +69,12 @@ def wait_terminal(client: httpx.Client, ids: list[str], timeout: float) -> dict[
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("prepare_processes", ["0", "2"], ids=["prepared-in-job-threads", "prepare-pool"])
 def test_twenty_jobs_through_the_service_match_hf(service_env: dict[str, str], tiny_llava_path: Path,
-                                                   tmp_path: Path) -> None:
+                                                   tmp_path: Path, prepare_processes: str) -> None:
     env = {**os.environ, **service_env, "VLMQ_MODEL": str(tiny_llava_path), "VLMQ_WORKER_CONCURRENCY": "24",
-           "VLMQ_MAX_BATCH_SIZE": "24", "VLMQ_BATCH_WAIT_MS": "300", "OMP_NUM_THREADS": "2"}
+           "VLMQ_MAX_BATCH_SIZE": "24", "VLMQ_BATCH_WAIT_MS": "300", "OMP_NUM_THREADS": "2",
+           "VLMQ_PREPARE_PROCESSES": prepare_processes, "VLMQ_METRICS_PORT": str(metrics_port := free_port())}
     log_path = tmp_path / "worker.log"
     with log_path.open("wb") as log:
         worker = subprocess.Popen([sys.executable, "-m", "common.cli", "worker", "--loglevel", "WARNING"],
@@ -93,6 +98,8 @@ def test_twenty_jobs_through_the_service_match_hf(service_env: dict[str, str], t
             jobs = wait_terminal(client, [*ids, broken.json()["id"]], timeout=300)
             failed = jobs.pop(broken.json()["id"])
             results = {i: client.get(f"/v1/jobs/{i}/result").json() for i in ids}
+            assert len(_spawned_children(worker.pid)) == int(prepare_processes)
+            metrics = metric_values(httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=30).text)
     finally:
         worker.terminate()
         worker.wait(30)
@@ -101,6 +108,17 @@ def test_twenty_jobs_through_the_service_match_hf(service_env: dict[str, str], t
     assert failed["error"]["message"].startswith("image is truncated or corrupt"), failed
     assert all(j["status"] == "succeeded" for j in jobs.values()), log_path.read_text()[-3000:]
     assert all(j["attempts"] == 1 for j in jobs.values())
+    # Every job here has images: with the pool, none was fetched or decoded in a job thread (the broken image
+    # fails in the pool's prepare; in the job thread, in its inputs, before any prepare).
+    stage_calls = {stage: metrics.get(("vlmq_worker_stage_calls_total", (("stage", stage),)), 0.0)
+                   for stage in ("inputs", "prepare")}
+    if prepare_processes == "0":
+        assert stage_calls == {"inputs": 21, "prepare": 20}, stage_calls
+        assert ("vlmq_worker_prepare_processes", ()) not in metrics
+    else:
+        assert stage_calls == {"inputs": 0, "prepare": 21}, stage_calls
+        assert metrics[("vlmq_worker_prepare_processes", ())] == int(prepare_processes)
+        assert metrics[("vlmq_worker_prepare_pool_restarts_total", ())] == 0
 
     loaded = load_model(str(tiny_llava_path))
     torch.manual_seed(0)
@@ -135,3 +153,19 @@ def _decode(url: str) -> bytes:
     import base64
 
     return base64.b64decode(url.split(",", 1)[1])
+
+
+def _spawned_children(pid: int) -> list[int]:
+    """The processes multiprocessing spawned for `pid` (the prepare pool's), from /proc."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().split(") ", 1)[1].split()[1])
+            command = (entry / "cmdline").read_bytes()
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        if ppid == pid and b"multiprocessing.spawn" in command:
+            found.append(int(entry.name))
+    return found

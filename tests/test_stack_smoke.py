@@ -9,10 +9,9 @@ import time
 from typing import Any
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.api.test_jobs_api import data_url
-from tests.stack import LocalStack
+from tests.stack import LocalStack, metric_values
 from tests.test_end_to_end import make_jobs
 
 FINAL = ("completed", "failed", "cancelled", "expired")
@@ -42,10 +41,6 @@ def run_batch(client: httpx.Client, lines: list[str], wait: bool = True, timeout
         batch = client.get(f"/v1/batches/{batch['id']}").json()
     return batch
 
-
-def metric_values(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 def test_the_compose_commands_complete_a_batch(compose_stack: LocalStack) -> None:

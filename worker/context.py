@@ -21,6 +21,7 @@ from worker.telemetry import WorkerTelemetry
 
 if TYPE_CHECKING:
     from worker.engine.config import EngineConfig
+    from worker.prepare_pool import PreparePool
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ class WorkerContext:
         if self.telemetry is not None:
             self.telemetry.close()
         self.groups.close()
+        self.pipeline.close()
         self.generator.close()
         self.leases.close()
 
@@ -64,8 +66,9 @@ def build_context(settings: Settings) -> WorkerContext:
         generator = make_backend(loaded, settings)
     leases = LeaseKeeper(db, worker_id, settings.lease_seconds, settings.heartbeat_seconds,
                          on_lost=generator.abort)
-    pipeline = JobPipeline(settings, db, store, generator, leases, worker_id)
-    telemetry = WorkerTelemetry(settings, generator, leases, worker_id, pipeline.clock).start()
+    pipeline = JobPipeline(settings, db, store, generator, leases, worker_id, prepare_pool(settings, generator))
+    telemetry = WorkerTelemetry(settings, generator, leases, worker_id, pipeline.clock,
+                                pipeline.prepare_pool).start()
     # A message may arrive while all but one of the worker's slots are taken (worker/prefetch_share.py): its
     # jobs then briefly exceed worker_concurrency by up to job_ids_per_message - 1.
     groups = JobGroupRunner(pipeline, settings.worker_concurrency + settings.job_ids_per_message)
@@ -110,6 +113,23 @@ def engine_process(settings: Settings) -> Generator | None:
                       log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()),
                       nice=settings.engine_nice, gc_freeze=settings.gc_freeze)
     return EngineProcess(spec, front=front)
+
+
+def prepare_pool(settings: Settings, generator: Generator) -> PreparePool | None:
+    """The pool of settings.prepare_processes, where the generator is the paged engine (the HF backend batches
+    prepared inputs of its own)."""
+    from worker.engine.process import EngineProcess
+    from worker.engine.service import EngineService
+    from worker.prepare_pool import PreparePool
+
+    if settings.prepare_processes == 0:
+        return None
+    if not isinstance(generator, EngineProcess | EngineService):
+        log.warning("VLMQ_PREPARE_PROCESSES applies to the paged engine only; image jobs are prepared in their "
+                    "own threads")
+        return None
+    log.info("starting %d prepare processes", settings.prepare_processes)
+    return PreparePool(settings, settings.prepare_processes)
 
 
 def make_backend(loaded: object, settings: Settings) -> Generator:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tenacity import (
     Retrying,
@@ -24,23 +24,27 @@ from tenacity import (
 from common import jobs
 from common.claimed_job import ClaimedJob
 from common.db import Database
-from common.images import ImageError, decode_image
+from common.images import ImageError
 from common.models import JobStatus
 from common.settings import Settings
-from common.storage import ObjectNotFound, ObjectStore, image_key, result_key
+from common.storage import ObjectNotFound, ObjectStore, result_key
 from common.views import chat_completion
 from worker.batcher import Generator
-from worker.generation import GenerationRequest, InputError, SamplingParams
+from worker.generation import InputError
+from worker.job_request import generation_request, has_images
 from worker.leases import LeaseKeeper
 from worker.solo_gate import SoloGate
 from worker.stage_clock import StageClock
 from worker.state_writer import StateWriter
 
+if TYPE_CHECKING:
+    from worker.prepare_pool import PreparePool
+
 log = logging.getLogger(__name__)
 
 # Transient infrastructure errors (S3 or SQL blips) are retried in place a few times before the job is
 # handed back to the queue.
-_infra_retry = retry(
+infra_retry = retry(
     retry=retry_if_not_exception_type(ObjectNotFound),
     stop=stop_after_attempt(4),
     wait=wait_exponential(multiplier=0.2, max=3),
@@ -68,8 +72,12 @@ class JobPipeline:
         generator: Generator,
         leases: LeaseKeeper,
         worker_id: str,
+        prepare_pool: PreparePool | None = None,
     ) -> None:
+        """`prepare_pool`: where image jobs' inputs are prepared instead of the job's thread (only for a generator
+        that takes the paged engine's `PreparedInput`)."""
         self.settings = settings
+        self.prepare_pool = prepare_pool
         self.db = db
         self.store = store
         self.generator = generator
@@ -108,16 +116,16 @@ class JobPipeline:
             self.leases.discard(job.id)
         return replace(outcome, tenant=job.tenant, model=job.model, batch_id=job.batch_id)
 
-    @_infra_retry
+    @infra_retry
     def _claimable_last_try(self, job_id: str) -> bool:
         with self.db.session() as session:
             return jobs.is_claimable_last_try(session, job_id)
 
-    @_infra_retry
+    @infra_retry
     def _claim_shared(self, job_id: str) -> ClaimedJob | None:
         return self.writer.claim(job_id)
 
-    @_infra_retry
+    @infra_retry
     def _claim(self, job_id: str) -> ClaimedJob | None:
         with self.db.session() as session:
             job = jobs.claim(session, job_id, self.worker_id, self.settings.lease_seconds)
@@ -125,10 +133,14 @@ class JobPipeline:
 
     def _run_claimed(self, job: ClaimedJob) -> Outcome:
         try:
-            with self.clock.stage("inputs"):
-                request = self._build_request(job)
-            with self.clock.stage("prepare"):
-                prepared = self.generator.prepare(request)
+            if self.prepare_pool is not None and has_images(job.request):
+                with self.clock.stage("prepare"):
+                    prepared = self.prepare_pool.prepare(job.id, job.request, job.priority)
+            else:
+                with self.clock.stage("inputs"):
+                    request = generation_request(job.id, job.request, job.priority, self.settings, self._get)
+                with self.clock.stage("prepare"):
+                    prepared = self.generator.prepare(request)
             with self.clock.stage("engine"):
                 result = self.generator.submit(prepared).result()
         except (InputError, ImageError) as exc:
@@ -159,28 +171,7 @@ class JobPipeline:
             return Outcome("lost")
         return Outcome(JobStatus.SUCCEEDED)
 
-    def _build_request(self, job: ClaimedJob) -> GenerationRequest:
-        images = []
-        messages: list[dict[str, Any]] = []
-        for message in job.request["messages"]:
-            parts = []
-            for part in message["content"]:
-                if part["type"] == "image":
-                    data = self._get(image_key(part["image_id"]))
-                    images.append(decode_image(data, max_pixels=self.settings.max_image_pixels,
-                                               allowed_formats=tuple(self.settings.allowed_image_formats),
-                                               max_frames=self.settings.max_image_frames))
-                    parts.append({"type": "image"})
-                else:
-                    parts.append({"type": "text", "text": part["text"]})
-            messages.append({"role": message["role"], "content": parts})
-        s = job.request["sampling"]
-        sampling = SamplingParams(max_tokens=s["max_tokens"], temperature=s["temperature"], top_p=s["top_p"],
-                                  top_k=s.get("top_k", 0), seed=s["seed"], stop=list(s["stop"]))
-        return GenerationRequest(request_id=job.id, messages=messages, images=images, sampling=sampling,
-                                 priority=job.priority)
-
-    @_infra_retry
+    @infra_retry
     def _get(self, key: str) -> bytes:
         return self.store.get(key)
 
@@ -192,14 +183,16 @@ class JobPipeline:
 
     def close(self) -> None:
         self.writer.close()
+        if self.prepare_pool is not None:
+            self.prepare_pool.close()
 
-    @_infra_retry
+    @infra_retry
     def _fail(self, job: ClaimedJob, code: str, message: str) -> Outcome:
         with self.db.session() as session:
             failed = jobs.fail(session, job.id, self.worker_id, code, message)
         return Outcome(JobStatus.FAILED if failed else "lost")
 
-    @_infra_retry
+    @infra_retry
     def _release(self, job: ClaimedJob, code: str, message: str) -> Outcome:
         with self.db.session() as session:
             status = jobs.release(session, job.id, self.worker_id, code, message)

@@ -11,7 +11,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -23,6 +23,9 @@ from common.settings import Settings
 from common.worker_registry import Heartbeat, WorkerRegistry
 from worker.leases import LeaseKeeper
 from worker.stage_clock import StageClock
+
+if TYPE_CHECKING:
+    from worker.prepare_pool import PreparePool
 
 VISION_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _COUNTERS = {  # engine counter -> (metric name, help)
@@ -51,9 +54,10 @@ def _ratio(part: float, whole: float) -> float:
 
 class WorkerTelemetry:
     def __init__(self, settings: Settings, generator: object, leases: LeaseKeeper, worker_id: str,
-                 clock: StageClock | None = None) -> None:
+                 clock: StageClock | None = None, prepare_pool: PreparePool | None = None) -> None:
         self.settings, self.generator, self.leases, self.worker_id = settings, generator, leases, worker_id
         self.clock = clock
+        self.prepare_pool = prepare_pool
         self.jobs: Counter[str] = Counter()  # this process's run_job outcomes by status
         self._lock = threading.Lock()
         self._vision_seen = 0
@@ -176,6 +180,12 @@ class _Collector(Collector):
                 calls.add_metric([stage], n)
             yield cpu
             yield calls
+        if t.prepare_pool is not None:
+            yield GaugeMetricFamily("vlmq_worker_prepare_processes", "Processes preparing image jobs' inputs.",
+                                    value=t.prepare_pool.num_processes)
+            yield CounterMetricFamily("vlmq_worker_prepare_pool_restarts",
+                                      "Prepare pools replaced after one of their processes died.",
+                                      value=t.prepare_pool.num_replaced)
         m = t.engine_metrics()
         if not m:
             return  # the HF fallback backend has no engine counters
