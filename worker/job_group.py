@@ -7,6 +7,7 @@ releases behave as they do for one job; the message is acked once all of them ha
 
 from __future__ import annotations
 
+import contextvars
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
@@ -23,7 +24,8 @@ class JobGroupRunner:
             ) -> list[Outcome | Exception]:
         """Each job's outcome, or the exception its run raised (SQL unreachable before the claim), in order;
         `on_job_done(job_id, outcome)` is called as each ends, on the job's thread."""
-        futures = [self._pool.submit(self._run_one, job_id) for job_id in job_ids]
+        # Each job's thread logs with the message's fields (its Celery task_id) besides its own job_id.
+        futures = [self._pool.submit(contextvars.copy_context().run, self._run_one, job_id) for job_id in job_ids]
         if on_job_done is not None:
             for job_id, future in zip(job_ids, futures, strict=True):
                 future.add_done_callback(lambda f, job_id=job_id: on_job_done(job_id, _outcome(f)))
