@@ -21,13 +21,12 @@ import os
 import threading
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import replace
 from multiprocessing.connection import wait
 from typing import Any
 
 from common.settings import Settings
 from common.storage import ObjectStore, make_store
-from worker.engine.model_runner import PreparedInput, prepare_input
+from worker.engine.model_runner import PreparedInput, prepare_input, without_decoded_images
 from worker.job_request import generation_request
 from worker.pipeline import infra_retry
 
@@ -81,9 +80,7 @@ def _fetch(key: str) -> bytes:
 def _prepare(job_id: str, request: dict[str, Any], priority: int) -> PreparedInput:
     assert _settings is not None
     req = generation_request(job_id, request, priority, _settings, _fetch)
-    prepared = prepare_input(_front, _family, req)
-    # The pixels are in image_inputs; the decoded images need not cross back.
-    return replace(prepared, request=replace(prepared.request, images=[]))
+    return without_decoded_images(prepare_input(_front, _family, req))
 
 
 class PreparePool:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -54,6 +54,11 @@ def prepare_input(loaded: LoadedModel, family: ModelFamily, req: GenerationReque
     ]
     positions, delta = family.prompt_positions(prompt.input_ids, prompt.encoded)
     return PreparedInput(req, ids, images, image_inputs, positions, delta)
+
+
+def without_decoded_images(prepared: PreparedInput) -> PreparedInput:
+    """For another process: the pixels are in image_inputs, so the decoded images need not cross the pipe."""
+    return replace(prepared, request=replace(prepared.request, images=[]))
 
 
 def _kv_geometry(model: torch.nn.Module) -> tuple[int, int, int]:

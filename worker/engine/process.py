@@ -27,13 +27,13 @@ import sys
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 
 from worker.engine.channel import Channel
 from worker.engine.config import EngineConfig
-from worker.engine.model_runner import PreparedInput, prepare_input
+from worker.engine.model_runner import PreparedInput, prepare_input, without_decoded_images
 from worker.generation import GenerationRequest, GenerationResult
 from worker.model_loader import LoadedModel
 
@@ -95,8 +95,7 @@ class EngineProcess:
     def prepare(self, req: GenerationRequest) -> PreparedInput:
         with self._prepare_lock:
             prepared = prepare_input(self._front, self._family, req)
-        # The pixels are in image_inputs; the PIL images need not cross the pipe.
-        return replace(prepared, request=replace(prepared.request, images=[]))
+        return without_decoded_images(prepared)
 
     def submit(self, prepared: PreparedInput) -> Future[GenerationResult]:
         future: Future[GenerationResult] = Future()
