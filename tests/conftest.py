@@ -19,6 +19,7 @@ import psycopg
 import pytest
 import redis
 
+from tests.fault_stack import free_port
 from tests.s3_server import S3Server
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -27,12 +28,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 PG_ADMIN_URL = os.environ.get("VLMQ_TEST_PG_ADMIN", "postgresql://postgres@127.0.0.1:5432/postgres")
 REDIS_BASE = os.environ.get("VLMQ_TEST_REDIS", "redis://127.0.0.1:6379")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for_port(port: int, timeout: float = 30.0, proc: subprocess.Popen | None = None) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import random
 import shutil
 import signal
 import socket
@@ -33,9 +34,19 @@ TERMINAL = ("succeeded", "failed", "dead", "cancelled")
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free TCP port below the kernel's ephemeral range. A port from bind(0) lies inside that range, so an
+    outgoing connection (a client of Postgres, Redis, S3) could be given it before the server meant to listen
+    there binds it: a worker's metrics port once was ("Address already in use")."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(200):
+        port = random.randrange(10000, max(low, 10001))
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))  # free on every interface, as a server listening on any of them needs
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port found between 10000 and {low}")
 
 
 def wait_for(predicate: Any, timeout: float, what: str, interval: float = 0.1) -> Any:
