@@ -109,12 +109,14 @@ def _cut(tokens: list[int], job: GenerationRequest, loaded: LoadedModel) -> list
 
 
 def new_engine(path: Path, cpu_paths: bool = True, dtype: torch.dtype = torch.float32,
-               compile_layers: bool = False, torch_resize: bool = True) -> Engine:
+               compile_layers: bool = False, torch_resize: bool = True, fused: bool | None = None) -> Engine:
     """`cpu_paths=False`: without the C++ decode attention and the oneDNN-packed linears (the pure-torch
-    engine, for side-by-side runs); `compile_layers`: decoder layers compiled by torch.compile; `torch_resize`:
+    engine, for side-by-side runs); `fused`: the one-pass RMSNorm and SiLU kernels (default: as `cpu_paths`);
+    `compile_layers`: decoder layers compiled by torch.compile; `torch_resize`:
     the image processor resizes with torch's kernel, else Pillow (process-wide, worker/image_resize.py)."""
     config = EngineConfig(num_kv_blocks=8192, block_size=16, max_num_seqs=256, max_num_batched_tokens=4096,
-                          cpu_attention_kernel=cpu_paths, cpu_packed_linear=cpu_paths, compile_layers=compile_layers)
+                          cpu_attention_kernel=cpu_paths, cpu_packed_linear=cpu_paths,
+                          cpu_fused_elementwise=cpu_paths if fused is None else fused, compile_layers=compile_layers)
     return Engine(load_model(str(path), dtype=dtype, torch_resize=torch_resize), config)
 
 

@@ -85,6 +85,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         max_encoder_items_per_step=settings.max_encoder_items_per_step,
         encoder_cache_tokens=settings.encoder_cache_tokens,
         cpu_attention_kernel=settings.cpu_fast_paths, cpu_packed_linear=settings.cpu_fast_paths,
+        cpu_fused_elementwise=settings.cpu_fast_paths,
         compile_layers=settings.engine_compile,
         step_linger_seconds=settings.engine_step_linger_ms / 1000,
     )

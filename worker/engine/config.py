@@ -18,6 +18,7 @@ class EngineConfig:
     overlap_vision: bool | None = None   # vision on its own CUDA stream; None: on when the device is CUDA
     cpu_attention_kernel: bool = True    # on CPU, decode attention by the C++ kernel where it builds
     cpu_packed_linear: bool = True       # on CPU (fp32), linear layers with oneDNN pre-packed weights
+    cpu_fused_elementwise: bool = True   # on CPU, RMSNorm and SiLU-and-multiply by one-pass C++ kernels
     # Decoder layers compiled by torch.compile (worker/engine/layer_compiler.py); cpu_packed_linear then
     # applies outside them only (vision tower, projector, head). Compiling takes seconds at the first steps.
     compile_layers: bool = False

@@ -1,7 +1,8 @@
 """C++ kernels of the CPU backend, compiled on first use with torch.utils.cpp_extension (g++ and ninja).
 
 Decode attention straight from the paged pool (csrc/paged_decode_attention.cpp) is ~2x the gather + SDPA
-path on the bench's shapes (bench/engine.py). Compiling takes ~30 s once per machine and source; the build
+path on the bench's shapes (bench/engine.py); RMSNorm and SiLU-and-multiply in one pass each
+(csrc/fused_elementwise.cpp, used by cpu_fused.py). Compiling takes ~30 s once per machine and source; the build
 lands in torch's extension cache (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions). Where it cannot
 be built (no compiler), or with EngineConfig.cpu_attention_kernel off (VLMQ_CPU_FAST_PATHS=false), the engine
 keeps the pure-torch path: same results to float rounding, only slower.
@@ -17,12 +18,17 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode_attention.cpp"
+CSRC = Path(__file__).parent / "csrc"
+SOURCE = CSRC / "paged_decode_attention.cpp"
+FUSED_SOURCE = CSRC / "fused_elementwise.cpp"
+HEADERS = (CSRC / "exp_nonpositive.h",)
 PagedDecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float],
                                 torch.Tensor]
 
@@ -33,7 +39,7 @@ REASSOCIATION = ["-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"
 CFLAGS = ["-O3", "-march=native", "-fopenmp", *REASSOCIATION]
 
 _lock = threading.Lock()
-_loaded: dict[str, PagedDecodeAttention | None] = {}
+_loaded: dict[str, Any] = {}
 
 
 def _cpu_signature() -> str:
@@ -49,18 +55,28 @@ def _cpu_signature() -> str:
 
 def paged_decode_attention() -> PagedDecodeAttention | None:
     """The compiled kernel, or None where it cannot be built (logged once)."""
+    module = _module("vlmq_paged_attention", SOURCE)
+    return module.paged_decode_attention if module is not None else None  # type: ignore[no-any-return]
+
+
+def fused_elementwise() -> ModuleType | None:
+    """The module with `rms_norm` and `silu_and_mul`, or None where it cannot be built (logged once)."""
+    return _module("vlmq_fused_elementwise", FUSED_SOURCE)
+
+
+def _module(prefix: str, source: Path) -> ModuleType | None:
     with _lock:
-        if "decode" not in _loaded:
-            _loaded["decode"] = _build()
-        return _loaded["decode"]
+        if prefix not in _loaded:
+            _loaded[prefix] = _build(prefix, source)
+        return _loaded[prefix]  # type: ignore[no-any-return]
 
 
-def _build() -> PagedDecodeAttention | None:
+def _build(prefix: str, source: Path) -> ModuleType | None:
     from torch.utils import cpp_extension
 
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode() + _cpu_signature().encode()
-                            + torch.__version__.encode())
-    name = f"vlmq_paged_attention_{digest.hexdigest()[:12]}"  # a new source, CPU or torch gets a new build
+    digest = hashlib.sha256(source.read_bytes() + b"".join(h.read_bytes() for h in HEADERS)
+                            + " ".join(CFLAGS).encode() + _cpu_signature().encode() + torch.__version__.encode())
+    name = f"{prefix}_{digest.hexdigest()[:12]}"  # a new source, CPU or torch gets a new build
     build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
     built = build_dir / f"{name}.so"
     try:
@@ -69,16 +85,21 @@ def _build() -> PagedDecodeAttention | None:
             # up-to-date build, and a worker killed while holding it would leave every later start waiting.
             return _import(name, built)
         _clear_stale_lock(build_dir)
-        log.info("building the CPU attention kernel %s (once per machine, ~30 s)", name)
-        return compile_kernel(name, CFLAGS)
+        log.info("building the CPU kernels %s (once per machine, ~30 s)", name)
+        return compile_module(name, CFLAGS, source)
     except Exception as exc:  # no compiler or headers: the torch path serves, slower
-        log.warning("CPU attention kernel not available (%s: %s); using the pure-torch path", type(exc).__name__, exc)
+        log.warning("CPU kernels %s not available (%s: %s); using the pure-torch path", prefix, type(exc).__name__,
+                    exc)
         return None
 
 
 def compile_kernel(name: str, cflags: list[str]) -> PagedDecodeAttention:
     """SOURCE compiled and loaded as extension `name` with these compiler flags (bench/decode_kernel.py builds
     a variant beside the engine's)."""
+    return compile_module(name, cflags, SOURCE).paged_decode_attention  # type: ignore[no-any-return]
+
+
+def compile_module(name: str, cflags: list[str], source: Path) -> ModuleType:
     from torch.utils import cpp_extension
 
     try:
@@ -87,12 +108,11 @@ def compile_kernel(name: str, cflags: list[str]) -> PagedDecodeAttention:
         os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
     except ImportError:
         pass
-    module = cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=cflags, extra_ldflags=["-fopenmp"],
-                                verbose=False)
-    return module.paged_decode_attention  # type: ignore[no-any-return]
+    return cpp_extension.load(name=name, sources=[str(source)], extra_cflags=cflags,  # type: ignore[no-any-return]
+                              extra_ldflags=["-fopenmp"], verbose=False)
 
 
-def _import(name: str, path: Path) -> PagedDecodeAttention:
+def _import(name: str, path: Path) -> ModuleType:
     import importlib.machinery
     import importlib.util
 
@@ -101,7 +121,7 @@ def _import(name: str, path: Path) -> PagedDecodeAttention:
     assert spec is not None
     module = importlib.util.module_from_spec(spec)
     loader.exec_module(module)
-    return module.paged_decode_attention  # type: ignore[no-any-return]
+    return module
 
 
 def _clear_stale_lock(build_dir: Path, stale_after_s: float = 600.0) -> None:

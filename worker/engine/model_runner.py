@@ -114,6 +114,12 @@ class ModelRunner:
             from worker.engine.cpu_linear import pack_linears
 
             pack_linears(self.model, skip=compiled)  # inductor cannot lower the packed op
+        self.num_fused_modules = 0
+        if self.device.type == "cpu" and config.cpu_fused_elementwise:
+            from worker.engine import cpu_kernels
+            from worker.engine.cpu_fused import fuse_elementwise
+
+            self.num_fused_modules = fuse_elementwise(self.model, cpu_kernels.fused_elementwise(), skip=compiled)
         self.lm_head = self.family.lm_head(self.model)
         self.embed_tokens = self.family.embed_tokens(self.model)
         layers, kv_heads, head_dim = _kv_geometry(self.model)

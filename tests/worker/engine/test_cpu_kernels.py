@@ -104,6 +104,7 @@ def test_settings_turn_the_fast_paths_off(tiny_llava_path: object) -> None:
             runner = service.engine.runner  # type: ignore[attr-defined]
             assert (runner.decode_kernel is not None) is fast
             assert any(isinstance(m, PackedLinear) for m in runner.model.modules()) is fast
+            assert (runner.num_fused_modules > 0) is fast
         finally:
             service.close()
 

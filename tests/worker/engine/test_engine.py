@@ -131,6 +131,7 @@ def test_matches_hf_generate(family: tuple[str, Path], reference_model: LoadedMo
     results = run_engine(engine, requests, seed=2)
     elapsed = time.perf_counter() - started
     assert_identical(reference_model, name, requests, results)
+    assert engine.runner.num_fused_modules > 0  # on CPU the norms and MLPs ran as one-pass kernels
     assert max(engine.runner.vision_batch_sizes) > 1  # images of several requests in one vision forward
     assert engine.block_manager.num_used_blocks == 0
     # Every step is timed as one with prompt tokens or one that only decoded (36 prompts over a 256-token budget
