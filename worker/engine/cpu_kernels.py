@@ -4,8 +4,8 @@ Decode attention straight from the paged pool (csrc/paged_decode_attention.cpp) 
 path on the bench's shapes (bench/engine.py); RMSNorm and SiLU-and-multiply in one pass each
 (csrc/fused_elementwise.cpp, used by cpu_fused.py). Compiling takes ~30 s once per machine and source; the build
 lands in torch's extension cache (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions). Where it cannot
-be built (no compiler), or with EngineConfig.cpu_attention_kernel off (VLMQ_CPU_FAST_PATHS=false), the engine
-keeps the pure-torch path: same results to float rounding, only slower.
+be built (no compiler), or with EngineConfig.cpu_attention_kernel / cpu_fused_elementwise off
+(VLMQ_CPU_FAST_PATHS=false), the engine keeps the pure-torch path: same results to float rounding, only slower.
 """
 
 from __future__ import annotations

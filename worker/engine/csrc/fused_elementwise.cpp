@@ -20,7 +20,8 @@ namespace {
 using vlmq::exp_nonpositive;
 
 // Conversions the compiler can vectorise: c10's own for bfloat16 branch per element (NaN), which kept these
-// loops scalar and 10x slower than torch's. Round to nearest even, NaN kept a (quiet) NaN, as c10 does.
+// loops scalar (SiLU-and-multiply 8x slower than torch's two ops, the norm 3.7x slower than with these). Round
+// to nearest even, a NaN kept a (quiet) NaN, as c10 does.
 template <typename scalar_t>
 inline float to_float(scalar_t x) {
   return static_cast<float>(x);
