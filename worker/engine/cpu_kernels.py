@@ -2,7 +2,9 @@
 
 Decode attention straight from the paged pool (csrc/paged_decode_attention.cpp) is ~2x the gather + SDPA
 path on the bench's shapes (bench/engine.py); RMSNorm and SiLU-and-multiply in one pass each
-(csrc/fused_elementwise.cpp, used by cpu_fused.py). Compiling takes ~30 s once per machine and source; the build
+(csrc/fused_elementwise.cpp, used by cpu_fused.py). One extension holds both (csrc/bindings.cpp), so ninja
+compiles the sources side by side: ~1 min once per machine and source on 2 CPUs (66 s, where building the
+two kernels as extensions of their own took 55 + 60 s one after the other); the build
 lands in torch's extension cache (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions). Where it cannot
 be built (no compiler), or with EngineConfig.cpu_attention_kernel / cpu_fused_elementwise off
 (VLMQ_CPU_FAST_PATHS=false), the engine keeps the pure-torch path: same results to float rounding, only slower.
@@ -26,9 +28,9 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCE = CSRC / "paged_decode_attention.cpp"
-FUSED_SOURCE = CSRC / "fused_elementwise.cpp"
+SOURCES = (CSRC / "bindings.cpp", CSRC / "paged_decode_attention.cpp", CSRC / "fused_elementwise.cpp")
 HEADERS = (CSRC / "exp_nonpositive.h",)
+PREFIX = "vlmq_cpu_kernels"
 PagedDecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float],
                                 torch.Tensor]
 
@@ -54,29 +56,30 @@ def _cpu_signature() -> str:
 
 
 def paged_decode_attention() -> PagedDecodeAttention | None:
-    """The compiled kernel, or None where it cannot be built (logged once)."""
-    module = _module("vlmq_paged_attention", SOURCE)
+    """The compiled decode kernel, or None where the extension cannot be built (logged once)."""
+    module = kernels()
     return module.paged_decode_attention if module is not None else None  # type: ignore[no-any-return]
 
 
 def fused_elementwise() -> ModuleType | None:
     """The module with `rms_norm` and `silu_and_mul`, or None where it cannot be built (logged once)."""
-    return _module("vlmq_fused_elementwise", FUSED_SOURCE)
+    return kernels()
 
 
-def _module(prefix: str, source: Path) -> ModuleType | None:
+def kernels() -> ModuleType | None:
+    """The extension (built on first use, then loaded from torch's cache), or None where it cannot be built."""
     with _lock:
-        if prefix not in _loaded:
-            _loaded[prefix] = _build(prefix, source)
-        return _loaded[prefix]  # type: ignore[no-any-return]
+        if PREFIX not in _loaded:
+            _loaded[PREFIX] = _build()
+        return _loaded[PREFIX]  # type: ignore[no-any-return]
 
 
-def _build(prefix: str, source: Path) -> ModuleType | None:
+def _build() -> ModuleType | None:
     from torch.utils import cpp_extension
 
-    digest = hashlib.sha256(source.read_bytes() + b"".join(h.read_bytes() for h in HEADERS)
-                            + " ".join(CFLAGS).encode() + _cpu_signature().encode() + torch.__version__.encode())
-    name = f"{prefix}_{digest.hexdigest()[:12]}"  # a new source, CPU or torch gets a new build
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS)) + " ".join(CFLAGS).encode()
+                            + _cpu_signature().encode() + torch.__version__.encode())
+    name = f"{PREFIX}_{digest.hexdigest()[:12]}"  # a new source, CPU or torch gets a new build
     build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
     built = build_dir / f"{name}.so"
     try:
@@ -85,21 +88,20 @@ def _build(prefix: str, source: Path) -> ModuleType | None:
             # up-to-date build, and a worker killed while holding it would leave every later start waiting.
             return _import(name, built)
         _clear_stale_lock(build_dir)
-        log.info("building the CPU kernels %s (once per machine, ~30 s)", name)
-        return compile_module(name, CFLAGS, source)
+        log.info("building the CPU kernels %s (once per machine, ~30-60 s)", name)
+        return compile_module(name, CFLAGS)
     except Exception as exc:  # no compiler or headers: the torch path serves, slower
-        log.warning("CPU kernels %s not available (%s: %s); using the pure-torch path", prefix, type(exc).__name__,
-                    exc)
+        log.warning("CPU kernels not available (%s: %s); using the pure-torch path", type(exc).__name__, exc)
         return None
 
 
 def compile_kernel(name: str, cflags: list[str]) -> PagedDecodeAttention:
-    """SOURCE compiled and loaded as extension `name` with these compiler flags (bench/decode_kernel.py builds
-    a variant beside the engine's)."""
-    return compile_module(name, cflags, SOURCE).paged_decode_attention  # type: ignore[no-any-return]
+    """The decode kernel of the extension compiled and loaded as `name` with these compiler flags
+    (bench/decode_kernel.py builds a variant beside the engine's)."""
+    return compile_module(name, cflags).paged_decode_attention  # type: ignore[no-any-return]
 
 
-def compile_module(name: str, cflags: list[str], source: Path) -> ModuleType:
+def compile_module(name: str, cflags: list[str]) -> ModuleType:
     from torch.utils import cpp_extension
 
     try:
@@ -108,8 +110,8 @@ def compile_module(name: str, cflags: list[str], source: Path) -> ModuleType:
         os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
     except ImportError:
         pass
-    return cpp_extension.load(name=name, sources=[str(source)], extra_cflags=cflags,  # type: ignore[no-any-return]
-                              extra_ldflags=["-fopenmp"], verbose=False)
+    return cpp_extension.load(name=name, sources=[str(p) for p in SOURCES],  # type: ignore[no-any-return]
+                              extra_cflags=cflags, extra_ldflags=["-fopenmp"], verbose=False)
 
 
 def _import(name: str, path: Path) -> ModuleType:

@@ -132,8 +132,3 @@ torch::Tensor silu_and_mul(torch::Tensor gate, torch::Tensor up) {
   });
   return out;
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", &rms_norm, "HF-style RMSNorm of rows, in one pass (CPU)");
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up in one pass (CPU)");
-}
