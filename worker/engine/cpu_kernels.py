@@ -88,7 +88,7 @@ def _build() -> ModuleType | None:
             # up-to-date build, and a worker killed while holding it would leave every later start waiting.
             return _import(name, built)
         _clear_stale_lock(build_dir)
-        log.info("building the CPU kernels %s (once per machine, ~30-60 s)", name)
+        log.info("building the CPU kernels %s (once per machine, ~1 min)", name)
         return compile_module(name, CFLAGS)
     except Exception as exc:  # no compiler or headers: the torch path serves, slower
         log.warning("CPU kernels not available (%s: %s); using the pure-torch path", type(exc).__name__, exc)
