@@ -81,9 +81,16 @@ def _same_output(original: nn.Module, fused: nn.Module, width: int) -> bool:
         want, got = original(probe), fused(probe)
     if want.shape != got.shape or want.dtype != got.dtype:
         return False
-    # The sum of squares (and the sigmoid's exp) in another order: a few float ulps; a bf16 rounding flips.
     tolerance = 1e-5 if want.dtype == torch.float32 else 2e-2
-    return bool(torch.allclose(got.float(), want.float(), rtol=tolerance, atol=tolerance))
+    want, got = want.float(), got.float()
+    if not (torch.isfinite(want).all() and torch.isfinite(got).all()):
+        return False
+    # The sum of squares (and the sigmoid's exp) in another order: a few float ulps; a bf16 rounding flips.
+    # Measured against the output's largest value, not element by element: a down projection sums thousands of
+    # products, so an activation's last-ulp difference comes out as ~1e-7 of the output's scale. Element-wise
+    # tolerances refused the MLPs of bench/compare.py's small model on an AMD EPYC (4.9e-4 off in outputs up
+    # to 2,601); a module that computes something else is off by a fair part of the scale.
+    return float((got - want).abs().max()) <= tolerance * max(1.0, float(want.abs().max()))
 
 
 def fuse_elementwise(model: nn.Module, kernels: ModuleType | None, skip: Iterable[nn.Module] = ()) -> int:

@@ -136,6 +136,29 @@ def test_fuse_swaps_only_what_it_reproduces(kernels: ModuleType) -> None:
     assert fuse_elementwise(model, None) == 0  # no kernels built: nothing swapped
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fuse_judges_by_the_output_scale(kernels: ModuleType, dtype: torch.dtype) -> None:
+    """An MLP whose outputs run to thousands (random or large weights) differs from the kernel by ulps of that
+    scale after its down projection: it is still swapped; a differently gated one of the same scale is not."""
+    config = LlamaConfig(hidden_size=256, intermediate_size=1024, hidden_act="silu")
+    torch.manual_seed(1)
+    model = nn.ModuleDict({"mlp": LlamaMLP(config), "up_gated": UpGatedMLP(config)})
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(25.0)
+    model = model.to(dtype)
+    x = (torch.randn(6, 256) * 3).to(dtype)
+    with torch.no_grad():
+        want = model["mlp"](x)
+    assert float(want.float().abs().max()) > 1000  # the scale at which element-wise tolerances refused the swap
+    assert fuse_elementwise(model, kernels) == 1
+    assert isinstance(model["mlp"], FusedGatedMLP) and type(model["up_gated"]) is UpGatedMLP
+    with torch.no_grad():
+        got = model["mlp"](x)
+    scale = float(want.float().abs().max())
+    assert float((got.float() - want.float()).abs().max()) <= (1e-5 if dtype == torch.float32 else 2e-2) * scale
+
+
 def test_engine_tokens_equal_with_and_without_fused_kernels(tiny_llava_path: object) -> None:
     """Same greedy tokens (the HF-identity tests in test_engine.py run with the kernels on)."""
     requests = make_requests(24, seed=6)
