@@ -45,7 +45,7 @@ class PaddedGroup:
     (their new keys are in it by then)."""
     index: torch.Tensor        # [n, Lq] packed-batch positions of each prompt's new tokens; padding repeats its last
     mask: torch.Tensor         # [n, 1, Lq, Lk] bool: query j sees its own prompt's keys up to its position
-    valid: torch.Tensor        # [n * Lq] bool, True for the rows of real tokens
+    valid: torch.Tensor        # [n_real] long: which of the n * Lq padded rows hold real tokens
     rows: torch.Tensor         # packed-batch positions of the real rows, in the order `valid` selects them
     blocks: torch.Tensor | None = None  # [n, W] block tables, padded with block 0 (Lk = W * block_size); None: fresh
 
@@ -149,7 +149,7 @@ def _prefill_group(members: list[int], query: torch.Tensor, query_start: torch.T
     steps = torch.arange(valid.shape[1])
     causal = steps.unsqueeze(0) <= steps.unsqueeze(1)  # [L, L]: query row i sees keys 0..i
     mask = causal.unsqueeze(0) & valid.unsqueeze(1)  # and only its own prompt's tokens
-    return PaddedGroup(index.to(device), mask.unsqueeze(1).to(device), valid.flatten().to(device),
+    return PaddedGroup(index.to(device), mask.unsqueeze(1).to(device), _real_rows(valid, device),
                        index[valid].to(device))
 
 
@@ -161,8 +161,12 @@ def _context_group(members: list[int], context: torch.Tensor, query: torch.Tenso
     keys = torch.arange(blocks.shape[1] * block_size)
     # Query j of a prompt sits at absolute position context + j and sees keys 0..context + j, all its own.
     mask = keys.view(1, 1, -1) <= (context[members].unsqueeze(1) + last).unsqueeze(2)  # [n, Lq, Lk]
-    return PaddedGroup(index.to(device), mask.unsqueeze(1).to(device), valid.flatten().to(device),
+    return PaddedGroup(index.to(device), mask.unsqueeze(1).to(device), _real_rows(valid, device),
                        index[valid].to(device), blocks.to(device))
+
+
+def _real_rows(valid: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return torch.nonzero(valid.flatten()).flatten().to(device)
 
 
 def paged_attention(
@@ -185,22 +189,29 @@ def paged_attention(
     v_cache.view(-1, kv_heads, dim).index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
 
     q = query[0]  # [heads, T, dim]
-    out = torch.empty((q.shape[1], q.shape[0], q.shape[2]), dtype=query.dtype, device=query.device)
-    gqa = q.shape[0] != kv_heads
+    heads = q.shape[0]
+    # Gathers and scatters go by token, over [T, heads, dim] views (the projections' own layout, before HF's
+    # transpose): whole rows of heads * dim copied by index_select, where indexing dimension 1 of [heads, T,
+    # dim] copied element by element (a group of 66 prompts of 63 tokens: 1.1 ms -> 0.19 ms a gather on an
+    # AMD EPYC), and SDPA's flash kernel ran 1.35x faster on queries and keys laid out by token.
+    q_by_token, k_by_token, v_by_token = q.transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
+    out = torch.empty((q.shape[1], heads, q.shape[2]), dtype=query.dtype, device=query.device)
+    gqa = heads != kv_heads
     for group in (*meta.prefill_groups, *meta.context_groups):
         n, width = group.index.shape
-        q_grp = q[:, group.index.flatten()].view(q.shape[0], n, width, dim).transpose(0, 1)  # [n, heads, Lq, dim]
+        flat = group.index.flatten()
+        q_grp = q_by_token.index_select(0, flat).view(n, width, heads, dim).transpose(1, 2)  # [n, heads, Lq, dim]
         if group.blocks is None:  # no context: the keys are the prompts' new ones, laid out like the queries
-            flat = group.index.flatten()
-            k_grp = key[0][:, flat].view(kv_heads, n, width, dim).transpose(0, 1)
-            v_grp = value[0][:, flat].view(kv_heads, n, width, dim).transpose(0, 1)
+            k_grp = k_by_token.index_select(0, flat).view(n, width, kv_heads, dim).transpose(1, 2)
+            v_grp = v_by_token.index_select(0, flat).view(n, width, kv_heads, dim).transpose(1, 2)
         else:
             flat = group.blocks.flatten()
             k_grp = k_cache.index_select(0, flat).view(n, -1, kv_heads, dim).transpose(1, 2)  # [n, kv, Lk, dim]
             v_grp = v_cache.index_select(0, flat).view(n, -1, kv_heads, dim).transpose(1, 2)
         o = F.scaled_dot_product_attention(q_grp, k_grp, v_grp, attn_mask=group.mask, scale=scaling,
                                            enable_gqa=gqa)
-        out[group.rows] = o.transpose(1, 2).reshape(n * width, q.shape[0], dim)[group.valid]
+        rows = o.transpose(1, 2).reshape(n * width, heads, dim).index_select(0, group.valid)
+        out.index_copy_(0, group.rows, rows)
     for seq in meta.prefills:
         q_seq = q[:, seq.query_start : seq.query_start + seq.query_len]
         # Whole blocks are gathered (one index per block, not per token), then cut to the sequence's length.
@@ -211,13 +222,15 @@ def paged_attention(
         out[seq.query_start : seq.query_start + seq.query_len] = o.transpose(0, 1)
     if meta.decodes is not None and meta.decode_kernel is not None:
         d = meta.decodes
-        q_dec = q[:, d.query_index].transpose(0, 1)  # [B, heads, dim]
+        q_dec = q_by_token.index_select(0, d.query_index)  # [B, heads, dim]
         scale = scaling if scaling is not None else dim**-0.5
-        out[d.query_index] = meta.decode_kernel(q_dec, k_cache, v_cache, d.blocks, d.seq_lens, scale).to(out.dtype)
+        decoded = meta.decode_kernel(q_dec, k_cache, v_cache, d.blocks, d.seq_lens, scale)
+        out.index_copy_(0, d.query_index, decoded.to(out.dtype))
     elif meta.decodes is not None:
         d = meta.decodes
-        q_dec = q[:, d.query_index].transpose(0, 1)  # [B, heads, dim]
-        out[d.query_index] = gathered_decode_attention(q_dec, k_cache, v_cache, d.blocks, d.mask, scaling)
+        q_dec = q_by_token.index_select(0, d.query_index)  # [B, heads, dim]
+        decoded = gathered_decode_attention(q_dec, k_cache, v_cache, d.blocks, d.mask, scaling)
+        out.index_copy_(0, d.query_index, decoded.to(out.dtype))
     return out.unsqueeze(0), None
 
 

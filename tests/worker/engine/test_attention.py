@@ -30,7 +30,7 @@ def test_fresh_prompts_are_grouped_by_length() -> None:
     assert len(meta.prefill_groups) == 1
     group = meta.prefill_groups[0]
     assert group.index.tolist() == [[0, 1, 2, 2, 2], [3, 4, 5, 6, 7]]
-    assert group.valid.tolist() == [True] * 3 + [False] * 2 + [True] * 5
+    assert group.valid.tolist() == [0, 1, 2, 5, 6, 7, 8, 9]
     assert group.rows.tolist() == list(range(8))
     assert [p.query_len for p in meta.prefills] == [20, 300, 3]  # alone, too long, with context
     assert meta.decodes is not None and meta.decodes.seq_lens.tolist() == [7]
@@ -72,7 +72,7 @@ def test_prompts_continuing_a_context_are_grouped_by_total_length() -> None:
     group = meta.context_groups[0]
     assert group.index.tolist() == [[0, 1, 2, 2, 2, 2], [3, 4, 5, 6, 7, 8]]
     assert group.blocks.tolist() == [[0, 1, 0, 0], [2, 3, 4, 5]]
-    assert group.valid.tolist() == [True] * 3 + [False] * 3 + [True] * 6
+    assert group.valid.tolist() == [0, 1, 2, 6, 7, 8, 9, 10, 11]
     assert group.rows.tolist() == list(range(9))
     # The first prompt's query 0 sits at position 5: keys 0..5; its padding repeats its last query (keys 0..7).
     assert group.mask[0, 0, 0].nonzero().flatten().tolist() == list(range(6))
