@@ -114,12 +114,15 @@ class ModelRunner:
             from worker.engine.cpu_linear import pack_linears
 
             pack_linears(self.model, skip=compiled)  # inductor cannot lower the packed op
-        self.num_fused_modules = 0
+        self.num_fused_modules = self.num_rotary_modules = 0
         if self.device.type == "cpu" and config.cpu_fused_elementwise:
             from worker.engine import cpu_kernels
             from worker.engine.cpu_fused import fuse_elementwise
+            from worker.engine.cpu_rope import fuse_rotary
 
-            self.num_fused_modules = fuse_elementwise(self.model, cpu_kernels.fused_elementwise(), skip=compiled)
+            kernels = cpu_kernels.fused_elementwise()
+            self.num_fused_modules = fuse_elementwise(self.model, kernels, skip=compiled)
+            self.num_rotary_modules = fuse_rotary(self.language_model, kernels, skip=compiled)
         self.lm_head = self.family.lm_head(self.model)
         self.embed_tokens = self.family.embed_tokens(self.model)
         layers, kv_heads, head_dim = _kv_geometry(self.model)

@@ -170,5 +170,6 @@ def test_engine_tokens_equal_with_and_without_fused_kernels(tiny_llava_path: obj
         # Two norms and one MLP per decoder layer, and the final norm, in the language model.
         swapped = sum(isinstance(m, FusedRMSNorm | FusedGatedMLP) for m in engine.runner.language_model.modules())
         assert swapped == (3 * layers + 1 if fused else 0)
+        assert engine.runner.num_rotary_modules == (layers if fused else 0)  # RoPE in one pass (cpu_rope.py)
         results[fused] = {r.request_id: r.token_ids for r in engine.generate(requests)}
     assert results[True] == results[False]

@@ -131,7 +131,12 @@ def test_matches_hf_generate(family: tuple[str, Path], reference_model: LoadedMo
     results = run_engine(engine, requests, seed=2)
     elapsed = time.perf_counter() - started
     assert_identical(reference_model, name, requests, results)
-    assert engine.runner.num_fused_modules > 0  # on CPU the norms and MLPs ran as one-pass kernels
+    # On CPU every norm and MLP of the language model ran as a one-pass kernel: two norms and an MLP a layer,
+    # and the final norm (each family's LM is Llama- or Qwen2-shaped).
+    layers = engine.runner.model.config.get_text_config().num_hidden_layers
+    assert engine.runner.num_fused_modules == 3 * layers + 1
+    # RoPE in one pass in every Llama-style attention; Qwen2-VL's multimodal rotation keeps HF's.
+    assert engine.runner.num_rotary_modules == (0 if name.replace("-", "_") == "qwen2_vl" else layers)
     assert max(engine.runner.vision_batch_sizes) > 1  # images of several requests in one vision forward
     assert engine.block_manager.num_used_blocks == 0
     # Every step is timed as one with prompt tokens or one that only decoded (36 prompts over a 256-token budget

@@ -1,4 +1,5 @@
-// RMSNorm and SiLU-and-multiply in one pass each, for the CPU backend (worker/engine/cpu_fused.py).
+// RMSNorm, SiLU-and-multiply and rotary position embedding in one pass each, for the CPU backend
+// (worker/engine/cpu_fused.py, worker/engine/cpu_rope.py).
 //
 // HF's RMSNorm is seven ops (a cast to float, pow, mean, add, rsqrt, mul, a cast back, mul by the weight) and
 // its MLP's act_fn(gate) * up two, each a pass over memory with its own dispatch and thread start: on 256 rows
@@ -96,6 +97,44 @@ void silu_and_mul_kernel(const scalar_t* gate, const scalar_t* up, scalar_t* out
   });
 }
 
+// One row of HF's rotary embedding, q * cos + rotate_half(q) * sin, with rotate_half(q) = cat(-q2, q1): each
+// product rounded to the dtype, then the sum. Not contracted into fused multiply-adds, which round once where
+// HF rounds twice: with them fp32 results part from HF's in the last bit.
+template <typename scalar_t>
+__attribute__((optimize("fp-contract=off"))) void rotary_row(const scalar_t* x, const scalar_t* cos,
+                                                             const scalar_t* sin, scalar_t* out, int64_t half) {
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = round_to<scalar_t>(to_float<scalar_t>(x[i]) * to_float<scalar_t>(cos[i]));
+    const float b = round_to<scalar_t>(-to_float<scalar_t>(x[i + half]) * to_float<scalar_t>(sin[i]));
+    out[i] = from_float<scalar_t>(a + b);
+  }
+#pragma omp simd
+  for (int64_t i = half; i < 2 * half; ++i) {
+    const float a = round_to<scalar_t>(to_float<scalar_t>(x[i]) * to_float<scalar_t>(cos[i]));
+    const float b = round_to<scalar_t>(to_float<scalar_t>(x[i - half]) * to_float<scalar_t>(sin[i]));
+    out[i] = from_float<scalar_t>(a + b);
+  }
+}
+
+// x [T, heads, dim] (any token and head strides, contiguous dim); cos, sin [T, dim]; out [T, heads, dim].
+template <typename scalar_t>
+void rotary_kernel(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor& out) {
+  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2);
+  const int64_t token_stride = x.stride(0), head_stride = x.stride(1), cos_stride = cos.stride(0);
+  const scalar_t* xp = x.data_ptr<scalar_t>();
+  const scalar_t* cp = cos.data_ptr<scalar_t>();
+  const scalar_t* sp = sin.data_ptr<scalar_t>();
+  scalar_t* op = out.data_ptr<scalar_t>();
+  at::parallel_for(0, tokens * heads, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t t = r / heads, h = r % heads;
+      rotary_row<scalar_t>(xp + t * token_stride + h * head_stride, cp + t * cos_stride, sp + t * cos_stride,
+                           op + r * dim, dim / 2);
+    }
+  });
+}
+
 void check_rows(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be rows with contiguous columns");
@@ -129,6 +168,25 @@ torch::Tensor silu_and_mul(torch::Tensor gate, torch::Tensor up) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate.scalar_type(), "silu_and_mul", [&] {
     silu_and_mul_kernel<scalar_t>(gate.data_ptr<scalar_t>(), up.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
                                   gate.size(0), gate.size(1), gate.stride(0), up.stride(0));
+  });
+  return out;
+}
+
+// x [T, heads, dim] (a view of a projection's output: strides of tokens and heads free, dim contiguous), cos and
+// sin [T, dim] of x's dtype. Returns x rotated as HF's apply_rotary_pos_emb does, [T, heads, dim] contiguous.
+torch::Tensor rotary_embedding(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(x.device().is_cpu() && cos.device().is_cpu() && sin.device().is_cpu(), "tensors must be on the CPU");
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "x must be [tokens, heads, dim] with contiguous dim");
+  TORCH_CHECK(x.size(2) % 2 == 0, "dim must be even");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == x.size(0) && cos.size(1) == x.size(2) && cos.sizes() == sin.sizes(),
+              "cos and sin must be [tokens, dim]");
+  TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
+              "x, cos and sin must share a dtype");
+  cos = cos.contiguous();
+  sin = sin.contiguous();
+  auto out = torch::empty(x.sizes(), x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rotary_embedding", [&] {
+    rotary_kernel<scalar_t>(x, cos, sin, out);
   });
   return out;
 }
