@@ -75,7 +75,7 @@ class Settings(BaseSettings):
     max_encoder_items_per_step: int = Field(default=64, ge=1, description="Images per vision forward.")
     encoder_cache_tokens: int = Field(default=32768, ge=1, description="Image embeddings kept, in positions.")
     cpu_fast_paths: bool = Field(default=True, description="On CPU: C++ decode attention, oneDNN-packed linears, "
-                                 "one-pass RMSNorm and SiLU-and-multiply.")
+                                 "one-pass RMSNorm, SiLU-and-multiply and rotary embedding.")
     engine_compile: bool = Field(
         default=False, description="Compile the language model's decoder layers with torch.compile (inductor): "
         "fused element-wise ops, 8-14% more throughput on CPU (small model), for 6-23 s of compiling at the first "

@@ -1,8 +1,9 @@
 """C++ kernels of the CPU backend, compiled on first use with torch.utils.cpp_extension (g++ and ninja).
 
 Decode attention straight from the paged pool (csrc/paged_decode_attention.cpp) is ~2x the gather + SDPA
-path on the bench's shapes (bench/engine.py); RMSNorm and SiLU-and-multiply in one pass each
-(csrc/fused_elementwise.cpp, used by cpu_fused.py). One extension holds both (csrc/bindings.cpp), so ninja
+path on the bench's shapes (bench/engine.py); RMSNorm, SiLU-and-multiply and the rotary embedding in one pass
+each (csrc/fused_elementwise.cpp, used by cpu_fused.py and cpu_rope.py). One extension holds them all
+(csrc/bindings.cpp), so ninja
 compiles the sources side by side: ~1 min once per machine and source on 2 CPUs (66 s, where building the
 two kernels as extensions of their own took 55 + 60 s one after the other); the build
 lands in torch's extension cache (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions). Where it cannot
