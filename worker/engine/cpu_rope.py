@@ -27,8 +27,12 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 log = logging.getLogger(__name__)
 
 # The attention classes whose forward RotaryFusedForward restates (transformers 5.x): Qwen2's and Mistral's
-# differ from Llama's only by passing their sliding window to the attention function.
-ROPE_ATTENTION_CLASSES = frozenset({"LlamaAttention", "Qwen2Attention", "MistralAttention"})
+# differ from Llama's only by passing a sliding window to the attention function, each from its own place.
+SLIDING_WINDOW: dict[str, Callable[[nn.Module], Any] | None] = {
+    "LlamaAttention": None,
+    "Qwen2Attention": lambda module: module.sliding_window,
+    "MistralAttention": lambda module: getattr(module.config, "sliding_window", None),
+}
 
 
 class RotaryFusedForward:
@@ -63,8 +67,8 @@ class RotaryFusedForward:
         if cache is not None:
             key, value = cache.update(key, value, m.layer_idx, kwargs=kwargs)
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(m.config._attn_implementation, self._eager)
-        if hasattr(m, "sliding_window"):
-            kwargs["sliding_window"] = m.sliding_window
+        if (sliding_window := SLIDING_WINDOW[type(m).__name__]) is not None:
+            kwargs["sliding_window"] = sliding_window(m)
         output, weights = attention(m, query, key, value, attention_mask,
                                     dropout=0.0 if not m.training else m.attention_dropout, scaling=m.scaling,
                                     **kwargs)
@@ -82,7 +86,7 @@ class RotaryFusedForward:
 
 def is_rope_attention(module: nn.Module) -> bool:
     modeling = sys.modules.get(type(module).__module__)
-    return (type(module).__name__ in ROPE_ATTENTION_CLASSES and "forward" not in vars(module)
+    return (type(module).__name__ in SLIDING_WINDOW and "forward" not in vars(module)
             and callable(getattr(modeling, "apply_rotary_pos_emb", None))
             and callable(getattr(modeling, "eager_attention_forward", None))
             and all(isinstance(getattr(module, name, None), nn.Module) for name in ("q_proj", "k_proj", "v_proj",

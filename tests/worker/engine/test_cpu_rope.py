@@ -8,9 +8,10 @@ from types import ModuleType
 import pytest
 import torch
 from torch import nn
-from transformers import LlamaConfig, Qwen2Config
+from transformers import LlamaConfig, MistralConfig, Qwen2Config
 from transformers.models.llama import modeling_llama
 from transformers.models.llama.modeling_llama import LlamaAttention, apply_rotary_pos_emb
+from transformers.models.mistral.modeling_mistral import MistralAttention
 from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
 
 from worker.engine import cpu_kernels
@@ -61,7 +62,7 @@ def test_kernel_refuses_what_it_cannot_rotate(kernels: ModuleType) -> None:
 
 
 def _attention(cls: type[nn.Module], dtype: torch.dtype = torch.float32) -> nn.Module:
-    config_cls = Qwen2Config if cls is Qwen2Attention else LlamaConfig
+    config_cls = {Qwen2Attention: Qwen2Config, MistralAttention: MistralConfig}.get(cls, LlamaConfig)
     config = config_cls(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
     torch.manual_seed(0)
     return cls(config, layer_idx=0).to(dtype)
@@ -99,12 +100,13 @@ InterleavedRopeAttention.__module__ = modeling_llama.__name__
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fuse_gives_the_kernel_only_where_it_reproduces_the_module(kernels: ModuleType, dtype: torch.dtype) -> None:
     model = nn.ModuleDict({"llama": _attention(LlamaAttention, dtype), "qwen2": _attention(Qwen2Attention, dtype),
+                           "mistral": _attention(MistralAttention, dtype),
                            "interleaved": _attention(InterleavedRopeAttention, dtype),
                            "compiled": nn.ModuleDict({"llama": _attention(LlamaAttention, dtype)})})
-    before = {name: _run(model[name], 1, dtype) for name in ("llama", "qwen2", "interleaved")}
-    assert fuse_rotary(model, kernels, skip=[model["compiled"]]) == 2
-    assert isinstance(vars(model["llama"]).get("forward"), RotaryFusedForward)
-    assert isinstance(vars(model["qwen2"]).get("forward"), RotaryFusedForward)
+    before = {name: _run(model[name], 1, dtype) for name in ("llama", "qwen2", "mistral", "interleaved")}
+    assert fuse_rotary(model, kernels, skip=[model["compiled"]]) == 3
+    for name in ("llama", "qwen2", "mistral"):
+        assert isinstance(vars(model[name]).get("forward"), RotaryFusedForward), name
     assert "forward" not in vars(model["interleaved"]) and "forward" not in vars(model["compiled"]["llama"])
     for name, want in before.items():  # the module's output unchanged, to the last bit
         assert torch.equal(_run(model[name], 1, dtype), want), name
