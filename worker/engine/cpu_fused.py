@@ -79,17 +79,24 @@ def _same_output(original: nn.Module, fused: nn.Module, width: int) -> bool:
     probe = _probe(original, width)
     with torch.no_grad():
         want, got = original(probe), fused(probe)
+    # The sum of squares (and the sigmoid's exp) in another order: a few float ulps; a bf16 rounding flips.
+    return agrees_at_scale(want, got)
+
+
+def agrees_at_scale(want: torch.Tensor, got: torch.Tensor) -> bool:
+    """A probe's output from a swapped module against the original's: same shape and dtype, finite, and off by at
+    most 1e-5 (fp32; 2e-2 in lower precision) of the output's largest value.
+
+    Measured against the output's scale, not element by element: a down projection sums thousands of products,
+    so an activation's last-ulp difference comes out as ~1e-7 of the output's scale. Element-wise tolerances
+    refused the MLPs of bench/compare.py's small model on an AMD EPYC (4.9e-4 off in outputs up to 2,601); a
+    module that computes something else is off by a fair part of the scale."""
     if want.shape != got.shape or want.dtype != got.dtype:
         return False
     tolerance = 1e-5 if want.dtype == torch.float32 else 2e-2
     want, got = want.float(), got.float()
     if not (torch.isfinite(want).all() and torch.isfinite(got).all()):
         return False
-    # The sum of squares (and the sigmoid's exp) in another order: a few float ulps; a bf16 rounding flips.
-    # Measured against the output's largest value, not element by element: a down projection sums thousands of
-    # products, so an activation's last-ulp difference comes out as ~1e-7 of the output's scale. Element-wise
-    # tolerances refused the MLPs of bench/compare.py's small model on an AMD EPYC (4.9e-4 off in outputs up
-    # to 2,601); a module that computes something else is off by a fair part of the scale.
     return float((got - want).abs().max()) <= tolerance * max(1.0, float(want.abs().max()))
 
 

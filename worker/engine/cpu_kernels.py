@@ -3,9 +3,8 @@
 Decode attention straight from the paged pool (csrc/paged_decode_attention.cpp) is ~2x the gather + SDPA
 path on the bench's shapes (bench/engine.py); RMSNorm, SiLU-and-multiply and the rotary embedding in one pass
 each (csrc/fused_elementwise.cpp, used by cpu_fused.py and cpu_rope.py). One extension holds them all
-(csrc/bindings.cpp), so ninja
-compiles the sources side by side: ~1 min once per machine and source on 2 CPUs (66 s, where building the
-two kernels as extensions of their own took 55 + 60 s one after the other); the build
+(csrc/bindings.cpp), so ninja compiles the sources side by side: ~1 min once per machine and source on 2 CPUs
+(66 s, where building the two kernels as extensions of their own took 55 + 60 s one after the other); the build
 lands in torch's extension cache (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions). Where it cannot
 be built (no compiler), or with EngineConfig.cpu_attention_kernel / cpu_fused_elementwise off
 (VLMQ_CPU_FAST_PATHS=false), the engine keeps the pure-torch path: same results to float rounding, only slower.
@@ -63,7 +62,8 @@ def paged_decode_attention() -> PagedDecodeAttention | None:
 
 
 def fused_elementwise() -> ModuleType | None:
-    """The module with `rms_norm` and `silu_and_mul`, or None where it cannot be built (logged once)."""
+    """The module with `rms_norm`, `silu_and_mul` and `rotary_embedding`, or None where it cannot be built
+    (logged once)."""
     return kernels()
 
 

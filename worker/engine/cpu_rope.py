@@ -24,6 +24,8 @@ import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from worker.engine.cpu_fused import agrees_at_scale
+
 log = logging.getLogger(__name__)
 
 # The attention classes whose forward RotaryFusedForward restates (transformers 5.x): Qwen2's and Mistral's
@@ -118,17 +120,14 @@ def _same_output(module: nn.Module, fused: RotaryFusedForward) -> bool:
         return False
     finally:
         module.config = original_config
-    if want.shape != got.shape or want.dtype != got.dtype or not torch.isfinite(want).all():
-        return False
-    tolerance = 1e-5 if want.dtype == torch.float32 else 2e-2
-    return float((got.float() - want.float()).abs().max()) <= tolerance * max(1.0, float(want.float().abs().max()))
+    return agrees_at_scale(want, got)
 
 
 def fuse_rotary(model: nn.Module, kernels: ModuleType | None, skip: Iterable[nn.Module] = ()) -> int:
     """Give each Llama-style attention module of a CPU model, outside `skip` (compiled layers), the one-pass
     rotation where its probe agrees; how many were given it."""
     params = next(model.parameters(), None)
-    if kernels is None or params is None or params.device.type != "cpu" or not hasattr(kernels, "rotary_embedding"):
+    if kernels is None or params is None or params.device.type != "cpu":
         return 0
     skipped = {id(module) for root in skip for module in root.modules()}
     fused: list[tuple[nn.Module, RotaryFusedForward]] = []
