@@ -4,8 +4,8 @@
         |   '--no valid line / unreadable file--> failed
         '--cancel--> cancelling <--cancel-- in_progress
         |                '--all jobs terminal--> cancelled
-        '--past expires_at (also from in_progress)--> finalizing (expired_at set) --open jobs cancelled,
-                                                       files written--> expired
+        '--past expires_at (also from in_progress while a job is open)--> finalizing (expired_at set)
+                                                       --open jobs cancelled, files written--> expired
 
 Every transition is one conditional UPDATE (like common/jobs.py), so a redelivered task, two finalizers or a
 cancel racing ingestion change a batch at most once.
@@ -16,7 +16,7 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import exists, func, select, update
+from sqlalchemy import and_, exists, func, or_, select, update
 from sqlalchemy.orm import Session, aliased
 
 from common.models import DEFAULT_TENANT, Batch, BatchStatus, Job, JobStatus, new_id, utcnow
@@ -117,12 +117,14 @@ def finish(session: Session, batch_id: str, final: BatchStatus, **values: Any) -
 
 def expire(session: Session, batch_id: str) -> bool:
     """validating|in_progress past its completion window -> finalizing, with expired_at set: its open jobs
-    are cancelled next, then finalization ends it `expired` (finished results kept)."""
+    are cancelled next, then finalization ends it `expired` (finished results kept).
+
+    An in_progress batch whose every job has ended is not late but finishing (its finalize is on the way),
+    so it is left to end `completed`; the check is in the same statement as the move."""
     now = utcnow()
     stmt = (
         update(Batch)
-        .where(Batch.id == batch_id, Batch.status.in_((BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS)),
-               Batch.expires_at < now)
+        .where(Batch.id == batch_id, Batch.expires_at < now, _late(batch_id))
         .values(status=BatchStatus.FINALIZING, finalizing_at=now, expired_at=now)
         .execution_options(synchronize_session=False)
     )
@@ -131,8 +133,7 @@ def expire(session: Session, batch_id: str) -> bool:
 
 def due_for_expiry(session: Session) -> list[str]:
     """Batches past their window, and expiring ones that still have open jobs (a sweep died midway)."""
-    past = select(Batch.id).where(Batch.status.in_((BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS)),
-                                  Batch.expires_at < utcnow())
+    past = select(Batch.id).where(Batch.expires_at < utcnow(), _late(Batch.id))
     expiring = select(Batch.id).where(Batch.status == BatchStatus.FINALIZING, Batch.expired_at.is_not(None),
                                       ~_no_open_jobs(Batch.id))
     return list(session.scalars(past.union(expiring)))
@@ -148,6 +149,12 @@ def request_cancel(session: Session, batch_id: str) -> bool:
     """validating|in_progress -> cancelling. The cancel task then stops its queued jobs."""
     return _set(session, batch_id, (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS),
                 status=BatchStatus.CANCELLING, cancelling_at=utcnow())
+
+
+def _late(batch_id: Any) -> Any:
+    """Still short of done: ingesting, or running with some job queued or running."""
+    return or_(Batch.status == BatchStatus.VALIDATING,
+               and_(Batch.status == BatchStatus.IN_PROGRESS, ~_no_open_jobs(batch_id)))
 
 
 def _no_open_jobs(batch_id: Any) -> Any:

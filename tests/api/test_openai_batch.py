@@ -220,8 +220,9 @@ def test_each_distinct_image_is_stored_once(stack: Stack) -> None:
 
 
 def test_cancel_keeps_finished_results_and_single_jobs_outrank_batches(stack: Stack) -> None:
+    # Several times the jobs the dispatch window lets run at once: the cancel must find queued ones on a fast CPU.
     lines = [request_line(f"slow-{i}", text_body(f"tell a long story number {i}", max_tokens=48))
-             for i in range(40)]
+             for i in range(80)]
     batch = stack.wait(stack.run(lines).id, ("in_progress", *FINAL))
     assert batch.status == "in_progress", batch
     single = stack.http.post("/v1/jobs", json=text_body("single job", max_tokens=2))
@@ -240,18 +241,23 @@ def test_cancel_keeps_finished_results_and_single_jobs_outrank_batches(stack: St
     errors = stack.jsonl(done.error_file_id)
     assert {e["error"]["code"] for e in errors} == {"batch_cancelled"}, errors
     # Every request is in exactly one file; the single job, sent after the batch, ran before these.
-    assert sorted(x["custom_id"] for x in output + errors) == sorted(f"slow-{i}" for i in range(40))
-    assert done.request_counts.completed == len(output) < 40  # type: ignore[union-attr]
+    assert sorted(x["custom_id"] for x in output + errors) == sorted(f"slow-{i}" for i in range(80))
+    assert done.request_counts.completed == len(output) < 80  # type: ignore[union-attr]
     assert stack.client.batches.cancel(batch.id).status == "cancelled"  # idempotent
     with pytest.raises(openai.ConflictError, match="can no longer be cancelled"):
         stack.client.batches.cancel(stack.wait(stack.run([request_line("x", text_body("x"))]).id).id)
 
 
 def test_expired_batch_keeps_finished_results(stack: Stack) -> None:
-    lines = [request_line(f"late-{i}", text_body(f"a long answer please {i}", max_tokens=48)) for i in range(30)]
+    # Many more jobs than the worker runs at once (its dispatch window is 12), so when the first has finished
+    # most are still open: a fixed sleep raced a fast CPU, which finished all of them before the sweep.
+    lines = [request_line(f"late-{i}", text_body(f"a long answer please {i}", max_tokens=48)) for i in range(120)]
     batch = stack.wait(stack.run(lines).id, ("in_progress", *FINAL))
     assert batch.status == "in_progress", batch
-    time.sleep(0.3)  # let some finish
+    deadline = time.monotonic() + 60
+    while (batch := stack.client.batches.retrieve(batch.id)).request_counts.completed == 0:
+        assert time.monotonic() < deadline and batch.status == "in_progress", batch
+        time.sleep(0.02)
     with get_database(stack.settings.database_url).session() as session:  # its 24 h window is over
         session.execute(update(Batch).where(Batch.id == batch.id).values(expires_at=utcnow() - timedelta(seconds=1)))
     send_sweep_batches(make_celery(stack.settings), stack.settings)  # what beat sends every minute
@@ -260,8 +266,8 @@ def test_expired_batch_keeps_finished_results(stack: Stack) -> None:
     output = stack.jsonl(done.output_file_id) if done.output_file_id else []
     errors = stack.jsonl(done.error_file_id)
     assert {e["error"]["code"] for e in errors} == {"batch_expired"}
-    assert sorted(x["custom_id"] for x in output + errors) == sorted(f"late-{i}" for i in range(30))
-    assert done.request_counts.completed == len(output)  # type: ignore[union-attr]
+    assert sorted(x["custom_id"] for x in output + errors) == sorted(f"late-{i}" for i in range(120))
+    assert done.request_counts.completed == len(output) > 0  # type: ignore[union-attr]
 
 
 def test_native_dataset_zip_in_one_request_and_tar_in_two_match_hf(stack: Stack, tiny_llava_path: Path) -> None:

@@ -351,6 +351,28 @@ def test_expiry_keeps_finished_results(settings: Settings, db: Database, store: 
         assert batches.batch_view(session, batch)["request_counts"] == {"total": 5, "completed": 1, "failed": 0}
 
 
+def test_a_batch_whose_jobs_all_ended_completes_past_its_window(settings: Settings, db: Database,
+                                                                  store: ObjectStore) -> None:
+    """The last job ended before the sweep saw the window close: the batch finishes `completed`, not
+    `expired` with nothing expired in it (the finalize of its last job may still be on its way)."""
+    batch_id = make_batch(db, store, "\n".join(line(f"d{i}") for i in range(3)).encode())
+    ingest_batch(batch_id, IngestDeps(settings, db, store, Recorder()))
+    created = batch_jobs(db, batch_id)
+    for job in created[:2]:
+        _finish(db, store, job, "in time")
+    _expire_now(db, batch_id)
+    with db.session() as session:
+        assert batches.due_for_expiry(session) == [batch_id]  # one job still queued: late
+    _finish(db, store, created[2], "in time too")
+    assert expire_due(db) == []
+    with db.session() as session:
+        assert not batches.expire(session, batch_id)
+    assert finalize_batch(batch_id, db, store) == "completed"
+    batch = get_batch(db, batch_id)
+    assert batch.expired_at is None and batch.completed_at is not None and batch.error_file_id is None
+    assert len(_read_jsonl(store, db, batch.output_file_id or "")) == 3
+
+
 def test_ingest_and_finalize_on_sqlite_and_a_local_folder(tmp_path: Path) -> None:
     local = Settings(data_dir=tmp_path, model=f"/models/{MODEL}", ingest_chunk_rows=2)
     upgrade(local.database_url)
