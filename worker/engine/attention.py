@@ -44,7 +44,10 @@ class PaddedGroup:
     their new keys directly; prompts that continue a context attend their whole blocks, gathered from the pool
     (their new keys are in it by then)."""
     index: torch.Tensor        # [n, Lq] packed-batch positions of each prompt's new tokens; padding repeats its last
-    mask: torch.Tensor         # [n, 1, Lq, Lk] bool: query j sees its own prompt's keys up to its position
+    # [n, 1, Lq, Lk] bool: query j sees its own prompt's keys up to its position. None for fresh prompts: each
+    # one's padding comes after its real tokens, so causality alone keeps a real query off them, and SDPA's
+    # causal path skips the key blocks above the diagonal where a mask would be read and added to all of them.
+    mask: torch.Tensor | None
     valid: torch.Tensor        # [n_real] long: which of the n * Lq padded rows hold real tokens
     rows: torch.Tensor         # packed-batch positions of the real rows, in the order `valid` selects them
     blocks: torch.Tensor | None = None  # [n, W] block tables, padded with block 0 (Lk = W * block_size); None: fresh
@@ -146,11 +149,7 @@ def _padded_queries(members: list[int], query: torch.Tensor, query_start: torch.
 def _prefill_group(members: list[int], query: torch.Tensor, query_start: torch.Tensor,
                    device: torch.device) -> PaddedGroup:
     _, valid, index = _padded_queries(members, query, query_start)  # [n, L]
-    steps = torch.arange(valid.shape[1])
-    causal = steps.unsqueeze(0) <= steps.unsqueeze(1)  # [L, L]: query row i sees keys 0..i
-    mask = causal.unsqueeze(0) & valid.unsqueeze(1)  # and only its own prompt's tokens
-    return PaddedGroup(index.to(device), mask.unsqueeze(1).to(device), _real_rows(valid, device),
-                       index[valid].to(device))
+    return PaddedGroup(index.to(device), None, _real_rows(valid, device), index[valid].to(device))
 
 
 def _context_group(members: list[int], context: torch.Tensor, query: torch.Tensor, query_start: torch.Tensor,
@@ -208,8 +207,8 @@ def paged_attention(
             flat = group.blocks.flatten()
             k_grp = k_cache.index_select(0, flat).view(n, -1, kv_heads, dim).transpose(1, 2)  # [n, kv, Lk, dim]
             v_grp = v_cache.index_select(0, flat).view(n, -1, kv_heads, dim).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q_grp, k_grp, v_grp, attn_mask=group.mask, scale=scaling,
-                                           enable_gqa=gqa)
+        o = F.scaled_dot_product_attention(q_grp, k_grp, v_grp, attn_mask=group.mask,
+                                           is_causal=group.mask is None, scale=scaling, enable_gqa=gqa)
         rows = o.transpose(1, 2).reshape(n * width, heads, dim).index_select(0, group.valid)
         out.index_copy_(0, group.rows, rows)
     for seq in meta.prefills:

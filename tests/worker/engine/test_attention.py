@@ -32,6 +32,7 @@ def test_fresh_prompts_are_grouped_by_length() -> None:
     assert group.index.tolist() == [[0, 1, 2, 2, 2], [3, 4, 5, 6, 7]]
     assert group.valid.tolist() == [0, 1, 2, 5, 6, 7, 8, 9]
     assert group.rows.tolist() == list(range(8))
+    assert group.mask is None  # padding follows each prompt's real tokens: SDPA's causal path suffices
     assert [p.query_len for p in meta.prefills] == [20, 300, 3]  # alone, too long, with context
     assert meta.decodes is not None and meta.decodes.seq_lens.tolist() == [7]
 
