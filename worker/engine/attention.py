@@ -46,7 +46,7 @@ class PaddedGroup:
     index: torch.Tensor        # [n, Lq] packed-batch positions of each prompt's new tokens; padding repeats its last
     # [n, 1, Lq, Lk] bool: query j sees its own prompt's keys up to its position. None for fresh prompts: each
     # one's padding comes after its real tokens, so causality alone keeps a real query off them, and SDPA's
-    # causal path skips the key blocks above the diagonal where a mask would be read and added to all of them.
+    # causal path bounds the keys in the kernel where a mask is built, read and added.
     mask: torch.Tensor | None
     valid: torch.Tensor        # [n_real] long: which of the n * Lq padded rows hold real tokens
     rows: torch.Tensor         # packed-batch positions of the real rows, in the order `valid` selects them
