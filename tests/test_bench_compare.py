@@ -164,3 +164,20 @@ def test_engine_trees_bench_runs_both_trees(tmp_path: Path) -> None:
     summary = re.findall(r"^tiny (text|image): before [\d.]+ s, after [\d.]+ s \(medians of 2\): [\d.]+x; "
                          r"tokens the same$", run.stdout, re.M)
     assert summary == ["text", "image"], run.stdout
+
+
+def test_linear_shapes_bench_times_every_shape_in_both_dtypes() -> None:
+    """bench/linear_shapes.py once through: first and cached calls at each row count, and separate against merged
+    projections, in fp32 (packed) and bf16."""
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "linear_shapes.py"), "--repeats", "1"],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    firsts = re.findall(r"^ +(\d+) rows: first call +([\d.]+) +cached +([\d.]+) +([\d.]+)x$", run.stdout, re.M)
+    assert [int(rows) for rows, *_ in firsts] == [3, 17, 129, 333, 1001, 2999] * 2, run.stdout
+    assert all(float(cached) > 0 for _, _, cached, _ in firsts), run.stdout
+    merged = re.findall(r"^ +(\d+) rows: q,k,v +[\d.]+ -> qkv +[\d.]+ \(([\d.]+)x\) +gate,up +[\d.]+ -> gate_up "
+                        r"+[\d.]+ \(([\d.]+)x\)$", run.stdout, re.M)
+    assert [int(rows) for rows, *_ in merged] == [256, 1024, 4096] * 2, run.stdout
+    assert [line for line in run.stdout.splitlines() if line.startswith("torch.")] == [
+        "torch.float32: [rows, 512] x [512, 1536], ms", "torch.float32: separate matmuls against one merged, ms",
+        "torch.bfloat16: [rows, 512] x [512, 1536], ms", "torch.bfloat16: separate matmuls against one merged, ms"]
