@@ -5,9 +5,10 @@ measured against the code before it while the shared machine drifts under both a
     git worktree add /tmp/before HEAD~1
     .venv/bin/python bench/engine_trees.py --before /tmp/before --models small --turns 3 --rounds 3
 
-Each turn builds the model's engine in a fresh process (fp32, the default engine of that tree), warms it up, then
-runs `--rounds` rounds of 256 new jobs per kind (text, one image) and reports their seconds. Prints every
-round, the medians over all turns, the speed-up, and whether the two trees generated the same tokens.
+Each turn builds the model's engine in a fresh process (that tree's default engine, in `--dtype`: fp32
+unless told), warms it up, then runs `--rounds` rounds of 256 new jobs per kind (text, one image) and reports
+their seconds. Prints every round, the medians over all turns, the speed-up, and whether the two trees
+generated the same tokens.
 """
 
 from __future__ import annotations
@@ -26,12 +27,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_turn(tree: Path, model: str, kinds: list[str], rounds: int, jobs: int, max_tokens: int, threads: int
-             ) -> dict[str, dict[str, object]]:
+def run_turn(tree: Path, model: str, kinds: list[str], rounds: int, jobs: int, max_tokens: int, threads: int,
+             dtype: str = "float32") -> dict[str, dict[str, object]]:
     """In a process of its own, with `tree`'s code: {kind: {"seconds": [...], "tokens": digest}}."""
     env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"), "HF_HUB_OFFLINE": "1"}
     args = [sys.executable, __file__, "--turn", str(tree), "--models", model, "--kinds", ",".join(kinds),
-            "--rounds", str(rounds), "--jobs", str(jobs), "--max-tokens", str(max_tokens), "--threads", str(threads)]
+            "--rounds", str(rounds), "--jobs", str(jobs), "--max-tokens", str(max_tokens), "--threads", str(threads),
+            "--dtype", dtype]
     done = subprocess.run(args, env=env, capture_output=True, text=True, check=False)
     lines = [line for line in done.stdout.splitlines() if line.startswith("TURN ")]
     if done.returncode != 0 or not lines:
@@ -39,7 +41,8 @@ def run_turn(tree: Path, model: str, kinds: list[str], rounds: int, jobs: int, m
     return json.loads(lines[-1][5:])
 
 
-def turn(tree: Path, model: str, kinds: list[str], rounds: int, jobs: int, max_tokens: int, threads: int) -> None:
+def turn(tree: Path, model: str, kinds: list[str], rounds: int, jobs: int, max_tokens: int, threads: int,
+         dtype: str) -> None:
     sys.path[:0] = [str(tree), str(tree / "bench")]
     import torch
     from compare import MODELS, make_jobs
@@ -52,7 +55,7 @@ def turn(tree: Path, model: str, kinds: list[str], rounds: int, jobs: int, max_t
     keep_freed_memory()
     with tempfile.TemporaryDirectory() as tmp:
         path = build_tiny_llava(Path(tmp) / model, seed=0, spec=MODELS[model])
-        engine = new_engine(path, dtype=torch.float32)
+        engine = new_engine(path, dtype=getattr(torch, dtype))
         for kind in kinds:
             engine.generate(make_jobs(8, kind == "image", 4, seed=99, prefix=f"warm-{kind}"))
         report: dict[str, dict[str, object]] = {}
@@ -80,24 +83,27 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--turn", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     kinds = args.kinds.split(",")
     if args.turn is not None:
-        turn(args.turn, args.models, kinds, args.rounds, args.jobs, args.max_tokens, args.threads)
+        turn(args.turn, args.models, kinds, args.rounds, args.jobs, args.max_tokens, args.threads, args.dtype)
         return
     if args.before is None:
         parser.error("--before is required")
     sys.path.insert(0, str(ROOT / "bench"))
     from engine import cpu_name
 
-    print(f"CPU: {cpu_name()}; before {args.before}, after {args.after}; {args.threads} threads, float32", flush=True)
+    print(f"CPU: {cpu_name()}; before {args.before}, after {args.after}; {args.threads} threads, {args.dtype}",
+          flush=True)
     for model in args.models.split(","):
         seconds: dict[tuple[str, str], list[float]] = {}
         digests: dict[tuple[str, str], set[str]] = {}
         for number in range(args.turns):
             for name, tree in (("before", args.before), ("after", args.after)):
-                report = run_turn(tree, model, kinds, args.rounds, args.jobs, args.max_tokens, args.threads)
+                report = run_turn(tree, model, kinds, args.rounds, args.jobs, args.max_tokens, args.threads,
+                                  args.dtype)
                 for kind, got in report.items():
                     seconds.setdefault((name, kind), []).extend(got["seconds"])  # type: ignore[arg-type]
                     digests.setdefault((name, kind), set()).add(str(got["tokens"]))

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -150,14 +152,16 @@ def test_state_writes_bench_runs_side_by_side(tmp_path: Path) -> None:
     assert all(float(r[2]) > 0 for r in rows), run.stdout  # Postgres counts in 10 ms ticks: may read 0 here
 
 
-def test_engine_trees_bench_runs_both_trees(tmp_path: Path) -> None:
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine_trees_bench_runs_both_trees(tmp_path: Path, dtype: str) -> None:
     """bench/engine_trees.py in its smallest size, against a second copy of the code: each tree's engine runs its
-    turn in a process of its own, and two copies of one tree generate the same tokens."""
+    turn in a process of its own, in the dtype asked for, and two copies of one tree generate the same tokens."""
     copy = _code_copy(tmp_path)
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "engine_trees.py"), "--before", str(copy),
-                          "--models", "tiny", "--jobs", "4", "--max-tokens", "4", "--turns", "1", "--rounds", "2"],
-                         capture_output=True, text=True, timeout=600, cwd=ROOT)
+                          "--models", "tiny", "--jobs", "4", "--max-tokens", "4", "--turns", "1", "--rounds", "2",
+                          "--dtype", dtype], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert run.stdout.splitlines()[0].endswith(f"2 threads, {dtype}"), run.stdout
     turns = re.findall(r"^  tiny (text|image) (before|after) turn 1: ([\d.]+) ([\d.]+)$", run.stdout, re.M)
     assert sorted((kind, name) for kind, name, *_ in turns) == [
         ("image", "after"), ("image", "before"), ("text", "after"), ("text", "before")], run.stdout
