@@ -135,7 +135,7 @@ def due_for_expiry(session: Session) -> list[str]:
     """Batches past their window, and expiring ones that still have open jobs (a sweep died midway)."""
     past = select(Batch.id).where(Batch.expires_at < utcnow(), _late(Batch.id))
     expiring = select(Batch.id).where(Batch.status == BatchStatus.FINALIZING, Batch.expired_at.is_not(None),
-                                      ~_no_open_jobs(Batch.id))
+                                      _open_jobs(Batch.id))
     return list(session.scalars(past.union(expiring)))
 
 
@@ -154,11 +154,15 @@ def request_cancel(session: Session, batch_id: str) -> bool:
 def _late(batch_id: Any) -> Any:
     """Still short of done: ingesting, or running with some job queued or running."""
     return or_(Batch.status == BatchStatus.VALIDATING,
-               and_(Batch.status == BatchStatus.IN_PROGRESS, ~_no_open_jobs(batch_id)))
+               and_(Batch.status == BatchStatus.IN_PROGRESS, _open_jobs(batch_id)))
+
+
+def _open_jobs(batch_id: Any) -> Any:
+    return exists().where(Job.batch_id == batch_id, Job.status.in_(OPEN_JOB_STATUSES))
 
 
 def _no_open_jobs(batch_id: Any) -> Any:
-    return ~exists().where(Job.batch_id == batch_id, Job.status.in_(OPEN_JOB_STATUSES))
+    return ~_open_jobs(batch_id)
 
 
 def begin_finalizing(session: Session, batch_id: str) -> bool:
@@ -173,7 +177,7 @@ def begin_finalizing(session: Session, batch_id: str) -> bool:
 
 
 def has_open_jobs(session: Session, batch_id: str) -> bool:
-    return session.scalar(select(exists().where(Job.batch_id == batch_id, Job.status.in_(OPEN_JOB_STATUSES))))
+    return session.scalar(select(_open_jobs(batch_id)))
 
 
 def ready_after_job(session: Session, job_id: str) -> str | None:
