@@ -8,7 +8,7 @@ from typing import Any
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -70,6 +70,19 @@ def install_error_handlers(app: FastAPI) -> None:
                 415: "unsupported_media_type"}.get(exc.status_code, "error")
         return JSONResponse(error_body(str(exc.detail), code), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
+
+    # A value the database refuses (a NUL byte in an id, say) is the request's fault: retrying cannot help.
+    @app.exception_handler(DataError)
+    async def _data(_: Request, exc: DataError) -> JSONResponse:
+        reason = str(exc.orig).strip().splitlines()[0] if exc.orig is not None else "invalid value"
+        return JSONResponse(error_body(f"the request holds a value the database cannot store: {reason[:200]}",
+                                       "invalid_value"), status_code=400)
+
+    @app.exception_handler(IntegrityError)
+    async def _integrity(_: Request, exc: IntegrityError) -> JSONResponse:
+        log.info("conflict: %s", exc)
+        return JSONResponse(error_body("the request conflicts with a record written at the same moment; retry it",
+                                       "conflict"), status_code=409)
 
     @app.exception_handler(OperationalError)
     @app.exception_handler(DBAPIError)

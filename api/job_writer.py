@@ -18,6 +18,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from sqlalchemy.exc import InterfaceError, OperationalError
+
 from api.deps import AppState
 from common import dispatch, jobs
 from common.group_queue import next_group
@@ -25,6 +27,9 @@ from common.queue import send_run_jobs
 from common.views import job_view
 
 log = logging.getLogger(__name__)
+
+# The database itself is unreachable: writing the group's requests one by one would only fail them slower.
+_UNREACHABLE = (OperationalError, InterfaceError)
 
 
 @dataclass
@@ -79,6 +84,13 @@ class JobWriter:
                 session.flush()
                 views = [(job.id, job.priority, job_view(job).model_dump_json()) for job in made]
         except BaseException as exc:
+            if len(batch) > 1 and isinstance(exc, Exception) and not isinstance(exc, _UNREACHABLE):
+                # One request's value the database refused (or a bug it alone meets) must not fail the
+                # requests that happened to share its transaction: each is written on its own instead.
+                log.warning("job writer: a group of %d failed (%s); writing them one by one", len(batch), exc)
+                for p in batch:
+                    self._write([p])
+                return
             for p in batch:
                 p.answer.set_exception(exc)
             if not isinstance(exc, Exception):

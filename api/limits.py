@@ -7,8 +7,8 @@ limiter must not turn an outage into refusals of reads.
 
 Open jobs are counted in SQL at most once per `OPEN_JOBS_TTL` per tenant and process: an exact count per
 request would scan a million-row index range for a tenant with a million jobs queued. Submissions let through
-meanwhile are added to the cached count, so one process cannot overshoot; several API replicas can, by up to
-a second's worth of each other's submissions.
+meanwhile are added to the cached count, one at a time per tenant, so one process cannot overshoot; several API
+replicas can, by up to a second's worth of each other's submissions.
 """
 
 from __future__ import annotations
@@ -61,28 +61,32 @@ class RateLimiter:
 
 class OpenJobsCounter:
     def __init__(self) -> None:
-        self._cache: dict[str, tuple[int, float]] = {}
+        self._cache: dict[str, tuple[int, float]] = {}  # tenant -> (open jobs, counted until)
+        self._locks: dict[str, threading.Lock] = {}
         self._lock = threading.Lock()
 
-    def count(self, state: AppState, tenant: str) -> int:
-        now = time.monotonic()
+    def reserve(self, state: AppState, tenant: str, limit: int) -> int:
+        """The tenant's open jobs before this submission; under `limit`, the submission is counted in.
+
+        One tenant's submissions pass one at a time: of a burst that finds the count stale, one counts in SQL
+        and the rest read its count, each adding itself, so a burst cannot overshoot in one process."""
         with self._lock:
+            tenant_lock = self._locks.setdefault(tenant, threading.Lock())
+        with tenant_lock:
+            now = time.monotonic()
             cached = self._cache.get(tenant)
             if cached is not None and cached[1] > now:
-                return cached[0]
-        with state.db.session() as session:
-            count = int(session.scalar(select(func.count()).select_from(Job).where(
-                Job.tenant == tenant, Job.status.in_((JobStatus.QUEUED, JobStatus.RUNNING)))) or 0)
-        with self._lock:
-            self._cache[tenant] = (count, now + OPEN_JOBS_TTL)
-        return count
+                count, until = cached
+            else:
+                count, until = self._count(state, tenant), now + OPEN_JOBS_TTL
+            self._cache[tenant] = (count + 1 if count < limit else count, until)
+            return count
 
-    def add(self, tenant: str) -> None:
-        """A submission just passed: count it until the next SQL count, so a burst cannot overshoot."""
-        with self._lock:
-            cached = self._cache.get(tenant)
-            if cached is not None:
-                self._cache[tenant] = (cached[0] + 1, cached[1])
+    @staticmethod
+    def _count(state: AppState, tenant: str) -> int:
+        with state.db.session() as session:
+            return int(session.scalar(select(func.count()).select_from(Job).where(
+                Job.tenant == tenant, Job.status.in_((JobStatus.QUEUED, JobStatus.RUNNING)))) or 0)
 
 
 async def rate_limit(request: Request, tenant: Annotated[str, Depends(get_tenant)]) -> None:
@@ -100,8 +104,7 @@ async def open_jobs_guard(request: Request, state: Annotated[AppState, Depends(g
     if limit <= 0:
         return  # async, so that with no limit a submission does not pay a trip to the thread pool for this
     counter: OpenJobsCounter = request.app.state.open_jobs
-    open_jobs = await run_in_threadpool(counter.count, state, tenant)
-    counter.add(tenant)
+    open_jobs = await run_in_threadpool(counter.reserve, state, tenant, limit)
     if open_jobs >= limit:
         raise HTTPException(429, f"tenant {tenant!r} has {open_jobs} jobs queued or running, its limit is {limit};"
                                  " submit more once some have finished", headers={"Retry-After": "30"})

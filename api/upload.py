@@ -76,7 +76,7 @@ class _Receiver:
             if self.part_name not in self.file_keys or self.part_name in self.upload.files:
                 self.refuse(f"send one file in each of the multipart fields {', '.join(map(repr, self.file_keys))}")
                 return
-            filename = options[b"filename"].decode("utf-8", "replace") or self.part_name
+            filename = _printable(options[b"filename"].decode("utf-8", "replace")) or self.part_name
             self.upload.files[self.part_name] = UploadedFile(self.file_keys[self.part_name], filename)
             self.pending[self.part_name] = bytearray()
             self.current_file = self.part_name
@@ -103,6 +103,12 @@ class _Receiver:
             self.error = SubmissionError(message, status, "invalid_request" if status == 400 else "file_too_large")
 
 
+def _printable(name: str) -> str:
+    """A client's file name without control characters: they cannot be stored (NUL) or sent back in a
+    Content-Disposition header."""
+    return "".join(c for c in name if c.isprintable())
+
+
 async def receive_upload(request: Request, store: ObjectStore, file_keys: dict[str, str], max_bytes: int) -> Upload:
     """Parse a multipart body, streaming each file field named in `file_keys` to its object key (each at
     most `max_bytes`). The objects exist only if this returns: a refused or broken upload is aborted."""
@@ -111,12 +117,15 @@ async def receive_upload(request: Request, store: ObjectStore, file_keys: dict[s
     if not boundary:
         raise SubmissionError("multipart/form-data body without a boundary")
     receiver = _Receiver(file_keys)
-    parser = MultipartParser(boundary, {  # type: ignore[arg-type]
-        "on_part_begin": receiver.on_part_begin, "on_part_data": receiver.on_part_data,
-        "on_part_end": receiver.on_part_end, "on_header_field": receiver.on_header_field,
-        "on_header_value": receiver.on_header_value, "on_header_end": receiver.on_header_end,
-        "on_headers_finished": receiver.on_headers_finished,
-    })
+    try:
+        parser = MultipartParser(boundary, {  # type: ignore[arg-type]
+            "on_part_begin": receiver.on_part_begin, "on_part_data": receiver.on_part_data,
+            "on_part_end": receiver.on_part_end, "on_header_field": receiver.on_header_field,
+            "on_header_value": receiver.on_header_value, "on_header_end": receiver.on_header_end,
+            "on_headers_finished": receiver.on_headers_finished,
+        })
+    except (FormParserError, ValueError):  # a boundary over python-multipart's length limit, say
+        raise SubmissionError("the multipart boundary is invalid (RFC 2046 allows 1-70 characters)") from None
     writers: dict[str, ObjectWriter] = {}
 
     async def flush(name: str, at_least: int) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from common import storable
 from common.models import Job, JobStatus
 from common.schemas import ChatCompletionRequest
 from common.views import chat_completion
@@ -104,10 +105,17 @@ def parse_line(number: int, raw: str, seen: set[str] | None = None) -> tuple[str
     if "\x00" in custom_id:  # SQL text cannot hold it; the error names no custom_id for the same reason
         return LineError(number, None, "invalid_custom_id", f"line {number}: custom_id contains a NUL character",
                          "custom_id")
+    if not storable.is_valid_text(custom_id):
+        return LineError(number, None, "invalid_custom_id", f"line {number}: custom_id contains a lone surrogate "
+                         "(\\ud800-\\udfff), which is not valid Unicode text", "custom_id")
     if seen is not None:
         if custom_id in seen:
             return duplicate_error(number, custom_id)
         seen.add(custom_id)
+    try:
+        storable.check(row)  # the line's other fields go into SQL, messages and output lines too
+    except storable.UnstorableValue as exc:
+        return LineError(number, custom_id, "invalid_request", f"line {number}: {exc}", "body")
     if row.get("method", "POST") != "POST" or row.get("url", CHAT_URL) != CHAT_URL:
         return LineError(number, custom_id, "invalid_url",
                          f"line {number}: only POST {CHAT_URL} is supported (got {row.get('method', 'POST')} "

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import json
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from common import storable
+
+# A job's metadata is echoed in every view and list page of it; past this it belongs in object storage.
+MAX_JOB_METADATA_BYTES = 16 * 1024
 
 
 class TextPart(BaseModel):
@@ -36,7 +42,17 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
 
-class ChatCompletionRequest(BaseModel):
+class StorableBody(BaseModel):
+    """A request body whose every string is valid Unicode and every number finite (common.storable)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _storable(cls, data: Any) -> Any:
+        storable.check(data)
+        return data
+
+
+class ChatCompletionRequest(StorableBody):
     """The body of an OpenAI chat completion, restricted to what vlmq runs."""
 
     model_config = ConfigDict(extra="forbid")
@@ -47,7 +63,8 @@ class ChatCompletionRequest(BaseModel):
     temperature: float = Field(default=0.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0, description="vLLM-style extension; 0 disables it.")
-    seed: int | None = None
+    # torch seeds a generator from a 64-bit integer; JSON's integers have no bound.
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     stop: str | list[str] | None = None
     n: Literal[1] = 1
     stream: Literal[False] = False
@@ -69,7 +86,17 @@ class ChatCompletionRequest(BaseModel):
 
 class JobCreate(ChatCompletionRequest):
     priority: int = Field(default=5, ge=0, le=9, description="0 lowest .. 9 highest.")
-    metadata: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = Field(default=None, description=(
+        f"Any JSON object, echoed with the job; at most {MAX_JOB_METADATA_BYTES} bytes as JSON."))
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_size(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None:
+            size = len(json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode("utf-8"))
+            if size > MAX_JOB_METADATA_BYTES:
+                raise ValueError(f"metadata is {size} bytes as JSON; the limit is {MAX_JOB_METADATA_BYTES}")
+        return value
 
 
 class Usage(BaseModel):

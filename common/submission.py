@@ -7,6 +7,7 @@ is written, so a worker never meets an image the API would have refused.
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import threading
 from collections import OrderedDict
@@ -234,10 +235,10 @@ def submit_job(
         if len(idempotency_key) > 255 or not idempotency_key:
             raise SubmissionError("Idempotency-Key must be 1-255 characters", 400, "invalid_idempotency_key")
         existing = _by_idempotency_key(session, tenant, idempotency_key)
-        if existing is not None:
-            return existing, False
     fields = job_fields(session, store, settings, req, priority=priority, metadata=metadata, tenant=tenant,
                         batch_id=batch_id, custom_id=custom_id, dispatched=dispatched)
+    if idempotency_key is not None and existing is not None:
+        return _same_request(existing, fields, idempotency_key), False
     if idempotency_key is None:
         # Nothing to race on (ids are random): no savepoint, which costs two round trips per job.
         return jobs.create_job(session, **fields), True
@@ -248,8 +249,18 @@ def submit_job(
         existing = _by_idempotency_key(session, tenant, idempotency_key)
         if existing is None:
             raise
-        return existing, False
+        return _same_request(existing, fields, idempotency_key), False
     return job, True
+
+
+def _same_request(job: Job, fields: dict[str, Any], key: str) -> Job:
+    """`job` if `fields` ask for what it was created with: a key reused for another request is a client bug
+    that answering with the old job would hide."""
+    asked = json.loads(json.dumps([fields["model"], fields["request"], fields["priority"], fields["metadata"]]))
+    if asked != [job.model, job.request, job.priority, job.metadata_]:
+        raise SubmissionError(f"Idempotency-Key {key[:80]!r} was already used for a different request (job "
+                              f"{job.id}); use a new key for a new request", 422, "idempotency_key_reused")
+    return job
 
 
 def _by_idempotency_key(session: Session, tenant: str, key: str | None) -> Job | None:

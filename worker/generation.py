@@ -14,6 +14,9 @@ if TYPE_CHECKING:
     from PIL import Image
 
 
+MIN_TEMPERATURE = 1e-5
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
@@ -27,7 +30,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0
+        # Below this, logits / temperature overflow float32 (1e-40 is subnormal): the request asked for the
+        # most likely token anyway, so it gets it.
+        return self.temperature < MIN_TEMPERATURE
 
     def validate(self) -> None:
         """Raise InputError for values no backend can honour (checked before any model work)."""

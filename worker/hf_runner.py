@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
+from worker.engine.sampler import top_p_filter
 from worker.generation import GenerationRequest, GenerationResult, SamplingParams, cut_at_stop_strings
 from worker.model_loader import LoadedModel
 from worker.preprocess import encode_prompt
@@ -73,22 +74,13 @@ class _PerRowSampler(LogitsProcessor):
                 continue
             logits = scores[row].float() / p.temperature
             if p.top_p < 1.0:
-                logits = _top_p_filter(logits, p.top_p)
+                logits = top_p_filter(logits, p.top_p)
             token = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=gen)
             if out is scores:
                 out = scores.clone()
             out[row] = float("-inf")
             out[row, token] = 0.0
         return out
-
-
-def _top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    sorted_logits, order = torch.sort(logits, descending=True)
-    cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-    # Drop a token once the mass before it already reaches top_p; the top token always survives.
-    drop_sorted = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= top_p
-    drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
-    return logits.masked_fill(drop, float("-inf"))
 
 
 class _PerRowStop(StoppingCriteria):

@@ -10,7 +10,7 @@ import logging
 from typing import Any
 
 from fastapi import APIRouter, Depends, HTTPException, Query
-from pydantic import BaseModel, ConfigDict
+from pydantic import ConfigDict
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -23,6 +23,7 @@ from common import batches
 from common.batch_input import CHAT_URL
 from common.models import Batch, BatchStatus, FileRecord
 from common.queue import send_cancel_batch, send_ingest_batch
+from common.schemas import StorableBody
 from common.submission import SubmissionError, resolve_model
 
 log = logging.getLogger(__name__)
@@ -31,7 +32,7 @@ router = APIRouter(prefix="/v1/batches", tags=["batches"])
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 
 
-class BatchCreate(BaseModel):
+class BatchCreate(StorableBody):
     model_config = ConfigDict(extra="forbid")
     input_file_id: str
     endpoint: str

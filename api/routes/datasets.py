@@ -6,7 +6,6 @@ object storage, become files rows, and the batch object is answered.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from fastapi import APIRouter, Depends, HTTPException, Request
@@ -21,6 +20,7 @@ from api.limits import open_jobs_guard
 from api.routes.batches import BatchCreate, create
 from api.routes.files import add_uploaded, content_type
 from api.upload import receive_upload
+from common import storable
 from common.batch_input import CHAT_URL
 from common.files import file_key
 from common.models import FileRecord, new_file_id
@@ -46,6 +46,9 @@ _DOC = {
 }
 
 
+_FIELDS = ("completion_window", "metadata")
+
+
 def _discard(state: AppState, tenant: str, file_ids: list[str]) -> None:
     with state.db.session() as session:
         for file_id in file_ids:
@@ -58,7 +61,7 @@ def _discard(state: AppState, tenant: str, file_ids: list[str]) -> None:
 
 def _body(fields: dict[str, str], manifest_id: str, images_id: str | None) -> BatchCreate:
     try:
-        metadata = json.loads(fields["metadata"]) if fields.get("metadata") else None
+        metadata = storable.loads(fields["metadata"]) if fields.get("metadata") else None
         return BatchCreate(input_file_id=manifest_id, endpoint=CHAT_URL, metadata=metadata,
                            completion_window=fields.get("completion_window") or "24h", images_file_id=images_id)
     except (ValueError, RecursionError, ValidationError):
@@ -77,6 +80,9 @@ async def create_dataset_batch(request: Request, state: StateDep, tenant: Tenant
     try:
         if "manifest" not in upload.files:
             raise SubmissionError("multipart field 'manifest' (the JSONL or CSV file) is required")
+        if unknown := sorted(set(upload.fields) - set(_FIELDS)):
+            raise SubmissionError(f"unknown multipart field(s) {', '.join(map(repr, unknown))}; besides the "
+                                  f"'manifest' and 'images' files the fields are {', '.join(_FIELDS)}")
         body = _body(upload.fields, ids["manifest"], ids["images"] if "images" in upload.files else None)
         for name, uploaded in upload.files.items():
             await run_in_threadpool(add_uploaded, state, tenant, ids[name], uploaded)

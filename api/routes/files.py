@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from typing import Any, Literal
+from urllib.parse import quote
 
 from fastapi import APIRouter, HTTPException, Query, Request
 from fastapi.concurrency import run_in_threadpool
@@ -115,10 +116,19 @@ def file_content(file_id: str, session: SessionDep, state: StateDep, tenant: Ten
         chunks = open_reader(state.store, record.object_key)
     except ObjectNotFound:
         raise HTTPException(404, f"the content of file {file_id!r} is missing from storage") from None
-    safe_name = record.filename.encode("ascii", "ignore").decode().replace('"', "") or file_id
     return StreamingResponse(chunks, media_type="application/octet-stream", headers={
-        "Content-Length": str(record.size_bytes), "Content-Disposition": f'attachment; filename="{safe_name}"',
+        "Content-Length": str(record.size_bytes), "Content-Disposition": _attachment(record.filename, file_id),
     })
+
+
+def _attachment(filename: str, fallback: str) -> str:
+    """Content-Disposition for a client's file name: printable ASCII in `filename`, the whole name in
+    `filename*` (RFC 6266); a header value cannot hold control characters at all."""
+    ascii_name = "".join(c for c in filename if " " <= c <= "~" and c not in '"\\') or fallback
+    full = "".join(c for c in filename if c.isprintable())
+    if full == ascii_name:
+        return f'attachment; filename="{ascii_name}"'
+    return f"attachment; filename=\"{ascii_name}\"; filename*=UTF-8''{quote(full, safe='')}"
 
 
 @router.get("/{file_id}/url", responses=error_responses(404, 409))

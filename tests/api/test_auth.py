@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -146,3 +147,13 @@ def test_each_tenants_objects_lie_under_its_own_prefix(server: ApiServer, servic
                                   files={"file": ("in.jsonl", b"{}\n", "application/jsonl")}).json()["id"]
         listed = s3.list_objects_v2(Bucket=bucket, Prefix=f"tenants/{tenant}/files/")
         assert f"tenants/{tenant}/files/{file_id}" in {o["Key"] for o in listed.get("Contents", [])}
+
+
+def test_a_burst_cannot_overshoot_the_open_jobs_limit(service_env: dict[str, str]) -> None:
+    """Twenty submissions at once, none counted yet in SQL: exactly the limit's worth pass in one process."""
+    settings = settings_from_env(service_env, model=f"/models/{MODEL}", tenant_max_open_jobs=3)
+    with ApiServer(settings, tenant="burst") as api, api.client() as client, ThreadPoolExecutor(20) as pool:
+        codes = list(pool.map(lambda _: client.post("/v1/jobs", json=chat_body()).status_code, range(20)))
+        assert sorted(codes) == [202] * 3 + [429] * 17
+        listed = client.get("/v1/jobs", params={"limit": 100}).json()["data"]
+        assert len(listed) == 3

@@ -9,11 +9,13 @@ from __future__ import annotations
 import base64
 import hashlib
 import io
+import json
 import socket
 import struct
 import time
 import zlib
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -218,3 +220,100 @@ def test_declared_oversize_body_is_refused_before_it_is_sent(server: ApiServer) 
 def test_service_is_unaffected(api: httpx.Client) -> None:
     ok = api.post("/v1/jobs", json=chat_body(data_url(png_bytes()), text=base64.b64encode(b"fine").decode()))
     assert ok.status_code == 202, ok.text
+
+
+# --- values neither SQL nor a JSON answer can hold --------------------------------------------------------------
+
+def _body(rest: str, messages: str = '[{"role": "user", "content": "x"}]') -> str:
+    """A job body written by hand, since json.dumps can spell neither NaN nor a lone surrogate as a client does."""
+    return '{"messages": ' + messages + (", " + rest if rest else "") + "}"
+
+
+@pytest.mark.parametrize(("raw", "status", "fragment"), [
+    (_body('"metadata": {"a": NaN}'), 400, "NaN is not a JSON number"),
+    (_body('"metadata": {"a": -Infinity}'), 400, "Infinity is not a JSON number"),
+    (_body('"metadata": {"a": [1e999]}'), 400, "out of range"),
+    (_body('"metadata": {"a": "\\udc00"}'), 422, "metadata.a contains a lone surrogate"),
+    (_body('"metadata": {"\\ud800": 1}'), 422, "a key in metadata"),
+    (_body("", '[{"role": "user", "content": "hi \\udfff"}]'), 422, "messages.0.content contains"),
+    (_body('"stop": ["\\ud800"]'), 422, "stop.0 contains a lone surrogate"),
+    (_body('"seed": 18446744073709551616'), 422, "less than or equal to 9223372036854775807"),
+    (_body('"metadata": {"a": "' + "x" * 17_000 + '"}'), 422, "the limit is 16384"),
+])
+def test_unstorable_values_are_refused_naming_the_field(api: httpx.Client, raw: str, status: int,
+                                                        fragment: str) -> None:
+    response = api.post("/v1/jobs", content=raw.encode(), headers={"content-type": "application/json"})
+    assert response.status_code == status, response.text
+    assert fragment in response.json()["error"]["message"]
+    assert api.get("/v1/jobs").status_code == 200  # nothing unreadable was stored
+
+
+def test_bad_requests_do_not_fail_the_requests_beside_them(api: httpx.Client) -> None:
+    """Submitted all at once, so that the API writes them in shared transactions: only the bad ones fail."""
+    good = [json.dumps(chat_body(text=f"fine {i}")).encode() for i in range(40)]
+    bad = [_body('"metadata": {"a": NaN}').encode(), _body('"metadata": {"a": "\\udc00"}').encode()] * 5
+
+    def post(raw: bytes) -> int:
+        return api.post("/v1/jobs", content=raw, headers={"content-type": "application/json"}).status_code
+
+    mixed = good[:20] + bad + good[20:]
+    with ThreadPoolExecutor(16) as pool:
+        codes = list(pool.map(post, mixed))
+    assert [c for c, raw in zip(codes, mixed, strict=True) if raw in good] == [202] * 40
+    assert all(400 <= c < 500 for c, raw in zip(codes, mixed, strict=True) if raw in bad)
+
+
+@pytest.mark.parametrize("path", ["/v1/jobs/a%00b", "/v1/files/a%00b", "/v1/batches/a%00b", "/v1/jobs?after=%00",
+                                  "/v1/files?after=%00", "/v1/batches?after=%00", "/v1/images/img_%00"])
+def test_nul_in_an_id_or_a_cursor_is_a_4xx(api: httpx.Client, path: str) -> None:
+    response = api.get(path)
+    assert 400 <= response.status_code < 500, (path, response.status_code, response.text)
+    assert response.json()["error"]["message"]
+
+
+def test_batch_metadata_with_a_lone_surrogate_is_refused(api: httpx.Client) -> None:
+    file_id = api.post("/v1/files", data={"purpose": "batch"},
+                       files={"file": ("in.jsonl", b'{"custom_id": "a", "body": {}}\n')}).json()["id"]
+    raw = ('{"input_file_id": "' + file_id + '", "endpoint": "/v1/chat/completions", "completion_window": "24h", '
+           '"metadata": {"k": "\\ud800"}}')
+    response = api.post("/v1/batches", content=raw.encode(), headers={"content-type": "application/json"})
+    assert response.status_code == 422 and "metadata.k contains a lone surrogate" in response.text
+    assert api.get("/v1/batches").status_code == 200
+
+
+def test_a_file_name_with_control_characters_still_downloads(api: httpx.Client) -> None:
+    body = (b'--b\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+            b'--b\r\nContent-Disposition: form-data; name="file"; filename="a\x01b\x7f\xc3\xa9.jsonl"\r\n'
+            b"Content-Type: application/jsonl\r\n\r\n{}\n\r\n--b--\r\n")
+    uploaded = api.post("/v1/files", content=body, headers={"content-type": "multipart/form-data; boundary=b"})
+    assert uploaded.status_code == 200, uploaded.text
+    assert uploaded.json()["filename"] == "abé.jsonl"
+    content = api.get(f"/v1/files/{uploaded.json()['id']}/content")
+    assert content.status_code == 200 and content.content == b"{}\n"
+    assert content.headers["content-disposition"] == ("attachment; filename=\"ab.jsonl\"; "
+                                                      "filename*=UTF-8''ab%C3%A9.jsonl")
+
+
+def test_multipart_oddities_are_a_400(api: httpx.Client) -> None:
+    boundary = "b" * 300
+    body = f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n--{boundary}--\r\n'
+    for path in ("/v1/files", "/v1/datasets"):
+        response = api.post(path, content=body.encode(),
+                            headers={"content-type": f"multipart/form-data; boundary={boundary}"})
+        _, message = error(response, 400)
+        assert "boundary" in message
+    _, message = error(api.post("/v1/jobs", data={"prompt": "hi", "max_token": "5"}), 400)
+    assert "unknown multipart field(s) 'max_token'" in message
+    _, message = error(api.post("/v1/jobs", data={"prompt": "hi", "image": "cat.png"}), 400)
+    assert "'image' must be a file" in message
+    _, message = error(api.post("/v1/datasets", data={"window": "24h"},
+                                files={"manifest": ("m.jsonl", b"{}\n")}), 400)
+    assert "unknown multipart field(s) 'window'" in message
+
+
+def test_a_large_json_body_is_accepted(api: httpx.Client) -> None:
+    """Bodies over 64 KiB are parsed off the event loop; the answer is the same."""
+    text = "word " * 40_000
+    response = api.post("/v1/jobs", json=chat_body(text=text))
+    assert response.status_code == 202, response.text[:300]
+    assert api.get(f"/v1/jobs/{response.json()['id']}").json()["status"] in ("queued", "running", "succeeded")

@@ -4,9 +4,11 @@ request whose client went away is skipped without stopping the writer."""
 from __future__ import annotations
 
 import asyncio
+import json
 from concurrent.futures import Future
 from pathlib import Path
 
+import pytest
 from sqlalchemy import func, select
 
 from api.job_writer import JobWriter, _Pending
@@ -38,5 +40,31 @@ def test_writer_commits_together_and_survives_abandoned_requests(tmp_path: Path)
     assert len({v for v in views}) == 20
     with app.state.vlmq.db.session() as session:
         assert session.scalar(select(func.count()).select_from(Job)) == 20  # the abandoned one is not written
+    writer.close()
+    app.state.vlmq.db.dispose()
+
+
+def test_one_unwritable_request_fails_alone_in_its_group(tmp_path: Path) -> None:
+    """A request the database or the view cannot take (here metadata no JSON writer accepts, which the API's
+    edge refuses but the writer must not rely on) fails on its own; its group's other requests are written."""
+    from common.migrate import upgrade
+
+    url = f"sqlite:///{tmp_path / 'w.db'}"
+    upgrade(url)
+    app = create_app(Settings(data_dir=tmp_path, database_url=url, model="tiny", broker_url="memory://"))
+    writer: JobWriter = app.state.job_writer
+    answers: list[Future[str]] = [Future() for _ in range(9)]
+    for i, answer in enumerate(answers):  # queued before the writer starts: one group of nine
+        metadata = {"i": "bad\udc00"} if i == 4 else {"i": str(i)}
+        writer._queue.put(_Pending({"model": "tiny", "request": REQUEST, "tenant": "t", "metadata": metadata}, answer))
+    writer._ensure_started()
+    for i, answer in enumerate(answers):
+        if i == 4:
+            with pytest.raises(Exception):  # noqa: B017 - whatever the serializer raises, it reaches this request
+                answer.result(timeout=30)
+        else:
+            assert json.loads(answer.result(timeout=30))["metadata"] == {"i": str(i)}
+    with app.state.vlmq.db.session() as session:
+        assert session.scalar(select(func.count()).select_from(Job)) == 8
     writer.close()
     app.state.vlmq.db.dispose()

@@ -102,6 +102,17 @@ def test_idempotency_key_returns_same_job(api: httpx.Client) -> None:
     again = api.post("/v1/jobs", json=chat_body(text="one"), headers={"Idempotency-Key": key})
     assert first.status_code == 202 and again.status_code == 200
     assert first.json()["id"] == again.json()["id"]
+    # With an image, metadata and priority, the same body is still the same request.
+    body = {**chat_body(data_url(png_bytes()), text="two"), "metadata": {"a": [1, 2.5]}, "priority": 7}
+    key = f"key-{uuid.uuid4()}"
+    assert api.post("/v1/jobs", json=body, headers={"Idempotency-Key": key}).status_code == 202
+    assert api.post("/v1/jobs", json=body, headers={"Idempotency-Key": key}).status_code == 200
+    # The key reused for another request is the client's mistake, not a silent replay of the first job.
+    for changed in ({**body, "priority": 6}, {**body, "metadata": {"a": [1]}}, {**body, "max_tokens": 3},
+                    chat_body(data_url(png_bytes((1, 2, 3))), text="two")):
+        reused = api.post("/v1/jobs", json=changed, headers={"Idempotency-Key": key})
+        assert reused.status_code == 422, reused.text
+        assert reused.json()["error"]["code"] == "idempotency_key_reused"
 
 
 def test_list_with_status_filter_and_cursor(api: httpx.Client) -> None:

@@ -254,3 +254,16 @@ def test_bad_sampling_params_are_input_errors(runner: HFBatchRunner) -> None:
     ):
         with pytest.raises(InputError):
             runner.prepare(GenerationRequest("bad", [{"role": "user", "content": "hi"}], [], sampling))
+
+
+def test_extreme_but_valid_sampling_values_run(runner: HFBatchRunner) -> None:
+    """A temperature or top_p that float32 cannot tell from 0, and seeds at int64's ends, are valid requests:
+    the first two give the most likely tokens, the seeds seed a generator."""
+    request = _requests(1, seed=23)[0]
+    greedy = _run(runner, [dataclasses.replace(request, sampling=SamplingParams(max_tokens=8))])[0]
+    extremes = [SamplingParams(max_tokens=8, temperature=1e-40), SamplingParams(max_tokens=8, temperature=5e-324),
+                SamplingParams(max_tokens=8, temperature=1.0, top_p=5e-324, seed=-(2**63)),
+                SamplingParams(max_tokens=8, temperature=1.0, top_p=1e-300, seed=2**63 - 1)]
+    results = _run(runner, [dataclasses.replace(request, request_id=f"x{i}", sampling=s)
+                            for i, s in enumerate(extremes)])
+    assert [r.token_ids for r in results] == [greedy.token_ids] * len(extremes)

@@ -77,6 +77,17 @@ def test_each_hostile_line_is_one_error_line(settings: Settings, db: Database, s
         (_image_line("relative", "cat.png").encode(), "relative", "invalid_image"),
         # SQL text cannot hold NUL: refused as a custom_id (the error cannot name it), carried in a prompt.
         (_raw("nul\u0000id", {"messages": [{"role": "user", "content": "x"}]}).encode(), None, "invalid_custom_id"),
+        # JSON can spell what neither SQL nor a UTF-8 output line can hold: lone surrogates, NaN, infinity.
+        (_raw("sur\udc00id", {"messages": [{"role": "user", "content": "x"}]}).encode(), None, "invalid_custom_id"),
+        (_raw("sur-prompt", {"messages": [{"role": "user", "content": "x\ud800"}]}).encode(), "sur-prompt",
+         "invalid_request"),
+        (json.dumps({"custom_id": "sur-url", "url": "/v1/\udfff", "body": {}}).encode(), "sur-url", "invalid_request"),
+        (b'{"custom_id": "nan", "body": {"messages": [{"role": "user", "content": "x"}], "temperature": NaN}}',
+         "nan", "invalid_request"),
+        (b'{"custom_id": "inf", "body": {"messages": [{"role": "user", "content": "x"}], "top_p": 1e999}}',
+         "inf", "invalid_request"),
+        (_raw("big-seed", {"messages": [{"role": "user", "content": "x"}], "seed": 2**64}).encode(), "big-seed",
+         "invalid_request"),
     ]
     good = [line("first", image=red).encode(), line("second", text="a\u0000b").encode(),
             line("last", image=red).encode()]

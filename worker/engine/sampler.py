@@ -34,7 +34,7 @@ class Sampler:
         greedy = logits.argmax(dim=-1).tolist()
         tokens: list[int] = []
         for row, (request_id, p) in enumerate(zip(request_ids, params, strict=True)):
-            if p.temperature <= 0:
+            if p.greedy:
                 tokens.append(int(greedy[row]))
                 continue
             scores = logits[row].float() / p.temperature
@@ -42,17 +42,19 @@ class Sampler:
                 kth = torch.topk(scores, p.top_k).values[-1]
                 scores = scores.masked_fill(scores < kth, float("-inf"))
             if p.top_p < 1.0:
-                scores = _top_p(scores, p.top_p)
+                scores = top_p_filter(scores, p.top_p)
             probs = torch.softmax(scores, dim=-1)
             token = torch.multinomial(probs, 1, generator=self._generator(request_id, p.seed))
             tokens.append(int(token))
         return tokens
 
 
-def _top_p(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+def top_p_filter(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+    """`scores` (one row) with every token outside the top_p nucleus set to -inf."""
     sorted_scores, order = torch.sort(scores, descending=True)
     probs = torch.softmax(sorted_scores, dim=-1)
     # Keep the smallest prefix whose mass reaches top_p; the most likely token always stays.
     drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p
+    drop_sorted[0] = False  # a top_p under float32's smallest value would otherwise drop it too
     drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
     return scores.masked_fill(drop, float("-inf"))
