@@ -118,7 +118,7 @@ def _expected_answers(path: Path) -> dict[str, str]:
         for raw in f:
             try:
                 line = json.loads(raw)
-            except ValueError:
+            except (ValueError, RecursionError):  # the line's error is in the error file already
                 continue
             metadata = line.get("metadata") if isinstance(line, dict) else None
             if isinstance(metadata, dict) and isinstance(metadata.get("answer"), str):

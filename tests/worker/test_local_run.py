@@ -35,6 +35,7 @@ def _write_input(path: Path) -> list[dict]:
     lines.append(json.dumps({"custom_id": "bad-image", "method": "POST", "url": "/v1/chat/completions",
                              "body": bad_image}))
     lines.append("{this is not json")
+    lines.append("[" * 5000)  # past the parser's nesting: RecursionError, not ValueError
     lines.append(json.dumps({"custom_id": "req-0", "method": "POST", "url": "/v1/chat/completions",
                              "body": bodies[0]}))  # duplicate custom_id
     lines.append(json.dumps({"custom_id": "no-messages", "body": {"max_tokens": 3}}))
@@ -57,12 +58,12 @@ def test_vlmq_run_embedded_matches_hf(engine_process: str, tiny_llava_path: Path
         env=env, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "13 succeeded" in proc.stderr and "4 refused" in proc.stderr, proc.stderr[-2000:]
+    assert "13 succeeded" in proc.stderr and "5 refused" in proc.stderr, proc.stderr[-2000:]
     assert (tmp_path / "state" / "vlmq.db").exists()  # embedded SQLite
     assert any((tmp_path / "state" / "objects" / "tenants" / "default" / "results").iterdir())  # local folder
 
     lines = [json.loads(line) for line in output_path.read_text().splitlines()]
-    assert len(lines) == 17
+    assert len(lines) == 18
     by_id = {line["custom_id"]: line for line in lines if line["custom_id"] and line["response"]}
     loaded = load_model(str(tiny_llava_path))
     torch.manual_seed(0)
@@ -90,7 +91,7 @@ def test_vlmq_run_embedded_matches_hf(engine_process: str, tiny_llava_path: Path
     assert ties <= 1
     errors = [line for line in lines if line["error"] is not None]
     codes = sorted(e["error"]["code"] for e in errors)
-    assert codes == ["duplicate_custom_id", "invalid_image", "invalid_json", "invalid_request"]
+    assert codes == ["duplicate_custom_id", "invalid_image", "invalid_json", "invalid_json", "invalid_request"]
     assert all(e["response"] is None and e["error"]["message"] for e in errors)
     # Output keeps input order.
     assert [line["custom_id"] for line in lines[:12]] == [f"req-{i}" for i in range(12)]
