@@ -164,13 +164,27 @@ def run(
     """Run every request of a batch file through vlmq on embedded defaults and write the results."""
     from rich.console import Console
 
+    from worker.embedded import DataDirBusy
     from worker.local_run import run_file
 
     settings = _settings(model=model, data_dir=data_dir)
     if not settings.model:
         raise typer.BadParameter("no model: pass --model PATH_OR_ID or set VLMQ_MODEL", param_hint="--model")
     console = Console(stderr=True)
-    summary = run_file(input_path, output, settings, console, images=images)
+    try:
+        summary = run_file(input_path, output, settings, console, images=images)
+    except (ValueError, DataDirBusy) as exc:  # an unwritable output, a data folder in use: before any work
+        console.print(f"[bold red]error[/bold red]: {exc}")
+        raise typer.Exit(2) from None
+    except KeyboardInterrupt:
+        console.print(f"[bold]interrupted[/bold]: finished requests are kept in {settings.data_dir}; run the same "
+                      "command again to carry on where this run stopped")
+        raise typer.Exit(130) from None
+    if summary.status == "failed" and not summary.submitted:
+        reasons = "; ".join(f"{e.get('code')}: {e.get('message')}" for e in summary.errors[:5]) or "no reason given"
+        console.print(f"[bold red]failed[/bold red]: nothing in {input_path} could run ({reasons}); "
+                      f"{len(summary.line_errors)} refused lines are in {output}")
+        raise typer.Exit(1)
     ok = summary.counts.get("succeeded", 0)
     rate = summary.submitted / summary.elapsed_s if summary.elapsed_s else 0.0
     console.print(

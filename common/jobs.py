@@ -12,7 +12,7 @@ of them changes the row, the others see rowcount 0 and step back.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import Connection, Integer, String, and_, any_, bindparam, column, func, or_, select, update
@@ -284,20 +284,22 @@ def cancel(session: Session, job_id: str) -> bool:
     return session.execute(stmt).rowcount == 1
 
 
-def reap(session: Session, limit: int = 1000) -> dict[str, list[str]]:
-    """Expired leases go back to `queued`, or to `dead` when attempts are used up."""
+def reap(session: Session, limit: int = 1000, *, every_lease: bool = False) -> dict[str, list[str]]:
+    """Expired leases go back to `queued`, or to `dead` when attempts are used up. `every_lease`: every running
+    job's, expired or not, for a process that knows no other worker can hold one (worker/embedded.py)."""
     now = utcnow()
+    cutoff = datetime(9999, 1, 1, tzinfo=UTC) if every_lease else now
     expired_ids = list(
         session.scalars(
             select(Job.id)
-            .where(Job.status == JobStatus.RUNNING, Job.lease_until < now)
+            .where(Job.status == JobStatus.RUNNING, Job.lease_until < cutoff)
             .order_by(Job.lease_until)
             .limit(limit)
         )
     )
     outcome: dict[str, list[str]] = {JobStatus.QUEUED: [], JobStatus.DEAD: []}
     for job_id in expired_ids:
-        still_expired = and_(Job.id == job_id, Job.status == JobStatus.RUNNING, Job.lease_until < now)
+        still_expired = and_(Job.id == job_id, Job.status == JobStatus.RUNNING, Job.lease_until < cutoff)
         dead = (
             update(Job)
             .where(still_expired, Job.attempts >= Job.max_attempts)

@@ -6,19 +6,27 @@ the pipeline, only the broker and the worker live in this process.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 from celery import Celery
 from celery.worker import WorkController
 from celery.worker import state as worker_state
+from sqlalchemy import update
 
+from common import jobs
+from common.db import get_database
+from common.models import Job, JobStatus
 from common.queue import send_sweep_batches
 from common.settings import Settings
 from worker.context import get_context
 from worker.tasks import register_tasks
+
+log = logging.getLogger(__name__)
 
 
 def _sweep_periodically(app: Celery, settings: Settings, stop: threading.Event) -> None:
@@ -40,9 +48,63 @@ class _ThreadWorker(WorkController):
         self.ready.set()
 
 
+class DataDirBusy(RuntimeError):
+    """Another embedded vlmq process holds this data folder."""
+
+
+@contextmanager
+def _sole_owner(data_dir: Path) -> Iterator[None]:
+    """Hold `data_dir` for this process alone: the takeover below is only right if no other embedded worker
+    runs on the same database."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    with (data_dir / "embedded.lock").open("a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise DataDirBusy(f"another vlmq process (vlmq run, or vlmq api in embedded mode) is using {data_dir}; "
+                              "wait for it, or give this one another --data-dir / VLMQ_DATA_DIR") from None
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def take_over(settings: Settings) -> tuple[int, int]:
+    """Adopt what an earlier embedded process left behind: (jobs sent again, jobs it was running).
+
+    The in-memory broker died with that process, so its queued jobs marked sent have no message anywhere and
+    would fill their tenant's dispatch window forever; its running jobs have no worker. With the data folder
+    held, no other worker can hold them: the queued ones are marked unsent, the running ones go back to the
+    queue (or end `dead` once their attempts are used up, as a lease expiry would do) for dispatch to send."""
+    db = get_database(settings.database_url)
+    running = 0
+    while True:
+        with db.session() as session:
+            outcome = jobs.reap(session, every_lease=True)
+        running += sum(len(ids) for ids in outcome.values())
+        if not any(outcome.values()):
+            break
+    with db.session() as session:
+        resent = session.execute(
+            update(Job).where(Job.status == JobStatus.QUEUED, Job.dispatched_at.is_not(None))
+            .values(dispatched_at=None).execution_options(synchronize_session=False)).rowcount
+    return resent, running
+
+
 @contextmanager
 def embedded_worker(app: Celery, settings: Settings, ready_timeout: float = 120.0) -> Iterator[WorkController]:
     """Run a threads-pool worker for `settings.job_queue` until the block exits."""
+    with _sole_owner(settings.data_dir):
+        resent, running = take_over(settings)
+        if resent or running:
+            log.warning("took over from an earlier process: %d queued jobs to send again, %d it was running",
+                        resent, running)
+        with _embedded_worker(app, settings, ready_timeout) as worker:
+            yield worker
+
+
+@contextmanager
+def _embedded_worker(app: Celery, settings: Settings, ready_timeout: float) -> Iterator[WorkController]:
     # memory:// has no host by design; kombu would warn about it on every connection.
     logging.getLogger("kombu.connection").setLevel(logging.ERROR)
     register_tasks(app)

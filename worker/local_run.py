@@ -8,6 +8,7 @@ worker live in this process. The output keeps the input's line order: results, t
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from collections import Counter
@@ -22,9 +23,10 @@ from sqlalchemy import func, select
 
 from common import batches
 from common.batch_cli import images_archive
-from common.batch_input import LineError, job_line, refused_line
+from common.batch_input import LineError, iter_lines, job_line, refused_line
 from common.db import Database, get_database
-from common.files import add_file, file_key, open_writer
+from common.dispatch import top_up
+from common.files import add_file, file_key, open_reader, open_writer
 from common.migrate import upgrade
 from common.models import (
     BATCH_FINAL_STATUSES,
@@ -32,6 +34,8 @@ from common.models import (
     TERMINAL_STATUSES,
     Batch,
     BatchLineError,
+    BatchStatus,
+    FileRecord,
     Job,
     new_file_id,
 )
@@ -43,11 +47,15 @@ from worker.ingest import IngestDeps, ingest_batch
 
 COPY_CHUNK_BYTES = 1 << 20
 ROWS_PER_READ = 1000
+_RESUMABLE = (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS, BatchStatus.FINALIZING)
 
 
 @dataclass
 class RunSummary:
     batch_id: str = ""
+    resumed: bool = False  # an interrupted run's batch of the same file, carried on
+    status: str = ""  # the batch's at the end: completed, or failed (nothing in the file could run) with `errors`
+    errors: list[dict[str, Any]] = field(default_factory=list)
     total_lines: int = 0
     submitted: int = 0
     counts: Counter[str] = field(default_factory=Counter)
@@ -63,13 +71,16 @@ class RunSummary:
         return self.correct / self.expected if self.expected else None
 
 
-def _store_file(db: Database, store: ObjectStore, path: Path, purpose: str = "batch") -> str:
-    """The local file as a vlmq file (streamed into the object store), as POST /v1/files would keep it."""
+def _store_file(db: Database, store: ObjectStore, path: Path, purpose: str = "batch") -> tuple[str, str]:
+    """The local file as a vlmq file (streamed into the object store), as POST /v1/files would keep it; (its
+    id, the sha256 of its bytes). Read once, so the input may be a pipe."""
     file_id = new_file_id()
+    digest = hashlib.sha256()
     writer = open_writer(store, file_key(file_id, DEFAULT_TENANT))
     try:
         with path.open("rb") as f:
             while chunk := f.read(COPY_CHUNK_BYTES):
+                digest.update(chunk)
                 writer.write(chunk)
         size = writer.close()
     except BaseException:
@@ -78,12 +89,67 @@ def _store_file(db: Database, store: ObjectStore, path: Path, purpose: str = "ba
     with db.session() as session:
         add_file(session, file_id=file_id, key=file_key(file_id, DEFAULT_TENANT), size=size, filename=path.name,
                  purpose=purpose, tenant=DEFAULT_TENANT)
-    return file_id
+    return file_id, digest.hexdigest()
+
+
+def _discard_file(db: Database, store: ObjectStore, file_id: str) -> None:
+    with db.session() as session:
+        if (record := session.get(FileRecord, file_id)) is not None:
+            session.delete(record)
+    store.delete(file_key(file_id, DEFAULT_TENANT))
+
+
+def check_output_path(input_path: Path, output_path: Path) -> None:
+    """Refuse an output path that cannot be written before any work is done (ValueError), not after it."""
+    if output_path.exists() and output_path.is_dir():
+        raise ValueError(f"{output_path} is a directory; give the output file's path")
+    if output_path.exists() and input_path.exists() and output_path.samefile(input_path):
+        raise ValueError(f"{output_path} is the input file; the output would replace it")
+    probe = output_path.with_suffix(output_path.suffix + ".partial")
+    try:
+        output_path.parent.mkdir(parents=True, exist_ok=True)
+        probe.open("a").close()
+        probe.unlink()
+    except OSError as exc:
+        raise ValueError(f"cannot write the output next to {output_path}: {exc.strerror or exc}") from None
+
+
+def _unfinished_batch(db: Database, settings: Settings, fingerprint: dict[str, str]) -> str | None:
+    """The newest batch an interrupted `vlmq run` left for the same input, images and model, if any."""
+    with db.session() as session:
+        candidates = session.scalars(
+            select(Batch).where(Batch.tenant == DEFAULT_TENANT, Batch.model == settings.served_model_name,
+                                Batch.status.in_(_RESUMABLE)).order_by(Batch.created_at.desc())).all()
+        return next((b.id for b in candidates if (b.metadata_ or {}) == fingerprint), None)
+
+
+def _start_batch(db: Database, store: ObjectStore, settings: Settings, input_path: Path, images: Path | None,
+                 console: Console) -> tuple[str, bool]:
+    """(batch id, resumed): a new batch for the file, or the one an interrupted run of it left behind."""
+    input_id, input_sha = _store_file(db, store, input_path)
+    images_id, images_sha = None, ""
+    with images_archive(images) if images is not None else nullcontext() as archive:
+        if archive is not None:
+            images_id, images_sha = _store_file(db, store, archive)
+    fingerprint = {"source": "vlmq run", "input_sha256": input_sha, "images_sha256": images_sha}
+    if (earlier := _unfinished_batch(db, settings, fingerprint)) is not None:
+        for file_id in (input_id, images_id):
+            if file_id is not None:
+                _discard_file(db, store, file_id)
+        console.print(f"resuming {earlier}, which an interrupted run of this file left; its finished requests "
+                      "are kept")
+        return earlier, True
+    with db.session() as session:
+        batch = batches.create_batch(
+            session, input_file_id=input_id, endpoint="/v1/chat/completions", completion_window="24h",
+            model=settings.served_model_name, metadata=fingerprint, images_file_id=images_id)
+        return batch.id, False
 
 
 def run_file(input_path: Path, output_path: Path, settings: Settings, console: Console | None = None,
              images: Path | None = None) -> RunSummary:
     console = console or Console(stderr=True)
+    check_output_path(input_path, output_path)
     upgrade(settings.database_url)
     db = get_database(settings.database_url)
     store = make_store(settings)
@@ -91,38 +157,44 @@ def run_file(input_path: Path, output_path: Path, settings: Settings, console: C
     summary = RunSummary()
     with embedded_worker(app, settings):
         started = time.monotonic()  # throughput counts the jobs, not the model load
-        input_id = _store_file(db, store, input_path)
-        with images_archive(images) if images is not None else nullcontext() as archive:
-            images_id = _store_file(db, store, archive) if archive is not None else None
-        with db.session() as session:
-            summary.batch_id = batches.create_batch(
-                session, input_file_id=input_id, endpoint="/v1/chat/completions", completion_window="24h",
-                model=settings.served_model_name, metadata={"source": "vlmq run"}, images_file_id=images_id).id
+        summary.batch_id, summary.resumed = _start_batch(db, store, settings, input_path, images, console)
 
         def dispatch(model_settings: Settings, job_ids: list[str], priority: int) -> None:
             send_run_jobs(app, model_settings, job_ids, priority)
 
+        deps = IngestDeps(settings, db, store, dispatch, any_model=True)
         with console.status("checking and queueing the input lines"):
-            ingest_batch(summary.batch_id, IngestDeps(settings, db, store, dispatch, any_model=True))
+            ingest_batch(summary.batch_id, deps)  # a resumed batch's ingestion goes on after its last chunk
+        # What an interrupted run had queued but not sent (ingestion tops up only while it reads lines).
+        top_up(db, DEFAULT_TENANT, settings.served_model_name, settings.dispatch_window,
+               lambda _model, ids, priority: dispatch(settings, ids, priority))
         _wait(db, app, settings, summary, console)
         summary.elapsed_s = time.monotonic() - started
-    _write_output(db, summary, output_path, _expected_answers(input_path))
+    _write_output(db, summary, output_path, _expected_answers(db, store, settings, summary.batch_id))
     return summary
 
 
-def _expected_answers(path: Path) -> dict[str, str]:
+def _expected_answers(db: Database, store: ObjectStore, settings: Settings, batch_id: str) -> dict[str, str]:
     """custom_id -> the answer a line expects, from lines that carry one (`"metadata": {"answer": ...}` beside
-    the request, as examples/shapes.jsonl does); lines that do not, or are not JSON, are skipped."""
+    the request, as examples/shapes.jsonl does); read back from the stored input (which may have been a pipe),
+    the first line of a custom_id counting, as ingestion does. Lines that are not JSON are skipped."""
+    with db.session() as session:
+        batch = session.get(Batch, batch_id)
+        record = session.get(FileRecord, batch.input_file_id) if batch is not None else None
+        if record is None:
+            return {}
+        key = record.object_key
     expected: dict[str, str] = {}
-    with path.open(encoding="utf-8", errors="replace") as f:
-        for raw in f:
-            try:
-                line = json.loads(raw)
-            except (ValueError, RecursionError):  # the line's error is in the error file already
-                continue
-            metadata = line.get("metadata") if isinstance(line, dict) else None
-            if isinstance(metadata, dict) and isinstance(metadata.get("answer"), str):
-                expected[str(line.get("custom_id"))] = metadata["answer"]
+    for _, raw in iter_lines(open_reader(store, key), settings.max_body_bytes):
+        if isinstance(raw, LineError):
+            continue
+        try:
+            line = json.loads(raw)
+        except (ValueError, RecursionError):  # the line's error is in the error file already
+            continue
+        metadata = line.get("metadata") if isinstance(line, dict) else None
+        if isinstance(metadata, dict) and isinstance(metadata.get("answer"), str):
+            expected.setdefault(str(line.get("custom_id")), metadata["answer"])
     return expected
 
 
@@ -148,7 +220,10 @@ def _wait(db: Database, app: Any, settings: Settings, summary: RunSummary, conso
             done = sum(n for s, n in counts.items() if s in TERMINAL_STATUSES)
             progress.update(task, completed=done, detail=" ".join(f"{s}={counts[s]}" for s in sorted(counts)))
             if status in BATCH_FINAL_STATUSES:
-                summary.counts = counts
+                summary.counts, summary.status = counts, status
+                with db.session() as session:
+                    batch = session.get(Batch, summary.batch_id)
+                    summary.errors = list(batch.errors or []) if batch is not None else []
                 return
             time.sleep(0.2)
 

@@ -123,3 +123,124 @@ def test_vlmq_run_a_csv_manifest_with_a_folder_of_images(tiny_llava_path: Path, 
     assert [line["custom_id"] for line in lines] == ["r", "b", "gone"]  # input order
     assert [line["response"]["status_code"] for line in lines[:2]] == [200, 200]
     assert lines[2]["error"]["code"] == "image_not_found" and "missing.png" in lines[2]["error"]["message"]
+
+
+def _run_cli(tiny_llava_path: Path, data_dir: Path, *args: str, wait: bool = True,
+             **env_extra: str) -> subprocess.Popen[str] | subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLMQ_")}
+    env.update({"VLMQ_DATA_DIR": str(data_dir), "OMP_NUM_THREADS": "2", **env_extra})
+    command = [sys.executable, "-m", "common.cli", "run", *args, "--model", str(tiny_llava_path)]
+    if wait:
+        return subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _flat(text: str) -> str:
+    """The console's text with rich's line wrapping undone."""
+    return " ".join(text.split())
+
+
+def _succeeded(db_path: Path) -> int:
+    import sqlite3
+
+    if not db_path.exists():
+        return 0
+    try:
+        with sqlite3.connect(db_path, timeout=1) as conn:
+            return conn.execute("SELECT count(*) FROM jobs WHERE status = 'succeeded'").fetchone()[0]
+    except sqlite3.OperationalError:  # not migrated yet, or busy
+        return 0
+
+
+def test_an_interrupted_run_carries_on_where_it_stopped(tiny_llava_path: Path, tmp_path: Path) -> None:
+    """Ctrl-C, then the same command: the same batch goes on, finished requests are not run again, and the jobs
+    the first process had sent into its (in-memory, now gone) broker or was running are not stranded, even
+    with a dispatch window small enough that stranded jobs would fill it."""
+    import signal
+    import sqlite3
+    import time
+
+    lines = [json.dumps({"custom_id": f"q{i}", "body": {"messages": [{"role": "user", "content": f"count {i}"}],
+                                                         "max_tokens": 24}}) for i in range(40)]
+    source, output, state = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "state"
+    source.write_text("\n".join(lines) + "\n")
+    window = {"VLMQ_DISPATCH_WINDOW": "4"}
+    first = _run_cli(tiny_llava_path, state, str(source), "-o", str(output), wait=False, **window)
+    assert isinstance(first, subprocess.Popen)
+    deadline = time.monotonic() + 300
+    while _succeeded(state / "vlmq.db") < 6:
+        assert first.poll() is None and time.monotonic() < deadline, first.communicate()[1][-2000:]
+        time.sleep(0.1)
+    first.send_signal(signal.SIGINT)
+    _, stderr = first.communicate(timeout=120)
+    assert first.returncode == 130, stderr[-2000:]
+    assert "run the same command again" in _flat(stderr) and not output.exists()
+    with sqlite3.connect(state / "vlmq.db") as conn:
+        kept = dict(conn.execute("SELECT custom_id, finished_at FROM jobs WHERE status = 'succeeded'").fetchall())
+    assert 6 <= len(kept) < 40
+
+    second = _run_cli(tiny_llava_path, state, str(source), "-o", str(output), **window)
+    assert isinstance(second, subprocess.CompletedProcess)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resuming" in second.stderr and "40 succeeded" in _flat(second.stderr)
+    out = [json.loads(line) for line in output.read_text().splitlines()]
+    assert [o["custom_id"] for o in out] == [f"q{i}" for i in range(40)]
+    assert all(o["response"]["status_code"] == 200 for o in out)
+    with sqlite3.connect(state / "vlmq.db") as conn:
+        assert conn.execute("SELECT count(*) FROM batches").fetchone()[0] == 1
+        assert conn.execute("SELECT count(*) FROM jobs").fetchone()[0] == 40
+        again = dict(conn.execute("SELECT custom_id, finished_at FROM jobs").fetchall())
+        assert conn.execute("SELECT count(*) FROM files").fetchone()[0] == 2  # input + output, no second copy
+    assert all(again[cid] == finished for cid, finished in kept.items())  # not run a second time
+
+
+def test_whole_file_failures_and_bad_outputs_are_errors(tiny_llava_path: Path, tmp_path: Path) -> None:
+    import fcntl
+
+    empty, output = tmp_path / "empty.jsonl", tmp_path / "out.jsonl"
+    empty.write_text("")
+    failed = _run_cli(tiny_llava_path, tmp_path / "s1", str(empty), "-o", str(output))
+    assert isinstance(failed, subprocess.CompletedProcess)
+    assert failed.returncode == 1 and "nothing in" in _flat(failed.stderr), failed.stderr[-2000:]
+    assert "empty" in _flat(failed.stderr)
+
+    source = tmp_path / "in.jsonl"
+    source.write_text(json.dumps({"custom_id": "a", "body": {"messages": [{"role": "user", "content": "x"}]}}) + "\n")
+    for bad_output, fragment in ((tmp_path, "is a directory"), (source, "is the input file"),
+                                 (Path("/proc/vlmq/out.jsonl"), "cannot write the output")):
+        refused = _run_cli(tiny_llava_path, tmp_path / "s2", str(source), "-o", str(bad_output))
+        assert isinstance(refused, subprocess.CompletedProcess)
+        assert refused.returncode == 2 and fragment in _flat(refused.stderr), refused.stderr[-2000:]
+    assert source.read_text().startswith('{"custom_id": "a"')
+
+    (tmp_path / "s3").mkdir()
+    with (tmp_path / "s3" / "embedded.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # as a running `vlmq run` on that folder holds it
+        busy = _run_cli(tiny_llava_path, tmp_path / "s3", str(source), "-o", str(output))
+    assert isinstance(busy, subprocess.CompletedProcess)
+    assert busy.returncode == 2 and "another vlmq process" in _flat(busy.stderr), busy.stderr[-2000:]
+
+
+def test_expected_answers_come_from_the_stored_input(tmp_path: Path) -> None:
+    """A BOM, a refused duplicate custom_id (the first line counts, as ingestion keeps it) and a pipe as input."""
+    from common.db import get_database
+    from common.migrate import upgrade
+    from common.settings import Settings
+    from common.storage import make_store
+    from worker.local_run import _expected_answers, _start_batch
+
+    settings = Settings(data_dir=tmp_path, model="tiny", broker_url="memory://")
+    upgrade(settings.database_url)
+    db, store = get_database(settings.database_url), make_store(settings)
+    rows = [{"custom_id": "a", "metadata": {"answer": "red"}}, {"custom_id": "b", "metadata": {"answer": "two"}},
+            {"custom_id": "a", "metadata": {"answer": "blue"}}, {"custom_id": "c"}]
+    read, write = os.pipe()
+    with os.fdopen(write, "wb") as pipe:
+        pipe.write(b"\xef\xbb\xbf" + b"\r\n".join(json.dumps(r).encode() for r in rows) + b"\r\n")
+    from rich.console import Console
+
+    batch_id, resumed = _start_batch(db, store, settings, Path(f"/dev/fd/{read}"), None, Console(stderr=True))
+    os.close(read)
+    assert not resumed
+    assert _expected_answers(db, store, settings, batch_id) == {"a": "red", "b": "two"}
+    db.dispose()
