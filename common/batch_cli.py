@@ -42,11 +42,15 @@ def images_archive(images: Path) -> Iterator[Path]:
     if images.is_file():
         yield images
         return
+    root = images.resolve()
     with tempfile.TemporaryDirectory(prefix="vlmq-") as tmp:
         path = Path(tmp) / f"{images.name or 'images'}.zip"
         with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as zf:
             for file in sorted(p for p in images.rglob("*") if p.is_file()):
-                zf.write(file, file.relative_to(images).as_posix())
+                # A link out of the folder (to /etc/passwd, say) is not uploaded: lines naming it are refused
+                # as missing, as the server refuses link members of an archive.
+                if file.resolve().is_relative_to(root):
+                    zf.write(file, file.relative_to(images).as_posix())
         yield path
 
 
@@ -93,7 +97,9 @@ def submit(
     timeout: Annotated[float, typer.Option(help="Seconds to wait with --wait.")] = 86400.0,
 ) -> None:
     """Upload a batch file (and its images) and create the batch; prints the batch (or follows it)."""
-    pairs = dict(item.split("=", 1) for item in metadata or [] if "=" in item)
+    if bad := [item for item in metadata or [] if "=" not in item or not item.split("=", 1)[0]]:
+        raise typer.BadParameter(f"{bad[0]!r} is not KEY=VALUE", param_hint="--metadata")
+    pairs = dict(item.split("=", 1) for item in metadata or [])
     with api_client(api_url, 300) as client:
         body: dict[str, Any] = {"endpoint": "/v1/chat/completions", "completion_window": "24h",
                                 "metadata": pairs or None}
@@ -126,7 +132,8 @@ def results(
     output: Annotated[Path, typer.Option("-o", "--output", help="Where to write the results (JSONL).")],
     api_url: ApiUrl = "http://127.0.0.1:8000",
 ) -> None:
-    """Write a finished batch's output lines, then its error lines, to one JSONL file (like `vlmq run`)."""
+    """Write a finished batch's output lines, then its error lines, to one JSONL file (in no set order, as
+    OpenAI's files: match lines by custom_id)."""
     with api_client(api_url, 300) as client:
         batch = _check(client.get(f"/v1/batches/{batch_id}"))
         if batch["status"] not in FINAL:

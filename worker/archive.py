@@ -118,6 +118,18 @@ def _over_total(limits: ArchiveLimits) -> ArchiveError:
                         "(archive_max_total_bytes)")
 
 
+def _zip_name(info: zipfile.ZipInfo) -> str:
+    """The member's name as its creator wrote it. Without the UTF-8 flag (bit 11) zipfile reads names as
+    cp437, but Info-ZIP and macOS's Archive Utility write UTF-8 there without setting it: a name whose cp437
+    reading re-encodes to valid UTF-8 is taken as UTF-8 (ASCII names are the same either way)."""
+    if info.flag_bits & 0x800:
+        return info.filename
+    try:
+        return info.filename.encode("cp437").decode("utf-8")
+    except UnicodeError:
+        return info.filename
+
+
 def _zip_members(handle: io.BufferedReader, limits: ArchiveLimits) -> Iterator[Member]:
     entries = _zip_entry_count(handle, limits.entries)
     if entries is not None and entries > limits.entries:
@@ -134,7 +146,7 @@ def _zip_members(handle: io.BufferedReader, limits: ArchiveLimits) -> Iterator[M
         for info in archive.infolist():
             if info.is_dir():
                 continue
-            path, problem = member_path(info.filename)
+            path, problem = member_path(_zip_name(info))
             if junk(path):
                 continue
             kind = stat.S_IFMT(info.external_attr >> 16)

@@ -79,3 +79,36 @@ def test_embedded_api_submit_wait_and_status(tmp_path: Path, tiny_llava_path: Pa
     assert child and int(child[1]) > 50_000, text[-3000:]
 
 
+
+
+def test_a_folder_of_images_is_zipped_without_links_out_of_it(tmp_path: Path) -> None:
+    import zipfile
+
+    from common.batch_cli import images_archive
+
+    secret, folder = tmp_path / "secret.txt", tmp_path / "photos"
+    secret.write_text("not for upload")
+    (folder / "sub").mkdir(parents=True)
+    Image.new("RGB", (4, 4)).save(folder / "sub" / "a.png")
+    (folder / "out.png").symlink_to(secret)
+    (folder / "inside.png").symlink_to(folder / "sub" / "a.png")
+    with images_archive(folder) as archive, zipfile.ZipFile(archive) as zf:
+        assert sorted(zf.namelist()) == ["inside.png", "sub/a.png"]
+
+
+def test_batch_submit_refuses_metadata_that_is_not_key_value(tmp_path: Path) -> None:
+    lines = tmp_path / "in.jsonl"
+    lines.write_text("{}\n")
+    proc = _vlmq("batch", "submit", str(lines), "--metadata", "oops", "--api-url", "http://127.0.0.1:9",
+                 env=_clean_env(tmp_path), timeout=60)
+    assert proc.returncode == 2 and "'oops' is not KEY=VALUE" in " ".join(proc.stderr.split()), proc.stderr
+
+
+def test_an_api_that_cannot_be_reached_is_one_line_not_a_traceback(tmp_path: Path) -> None:
+    lines = tmp_path / "in.jsonl"
+    lines.write_text("{}\n")
+    port = free_port()  # nothing listens there
+    for args in (("batch", "submit", str(lines)), ("status", "job_x")):
+        proc = _vlmq(*args, "--api-url", f"http://127.0.0.1:{port}", env=_clean_env(tmp_path), timeout=60)
+        assert proc.returncode == 1 and "cannot reach the vlmq API" in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr

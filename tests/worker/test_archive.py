@@ -229,3 +229,24 @@ def test_compressed_tars_of_every_kind_are_read(tmp_path: Path) -> None:
         read(tmp_path, gzip.compress(plain)[:-200])
     with pytest.raises(ArchiveError, match="neither a zip nor a readable tar"):
         read(tmp_path, b"\x1f\x8b" + zlib.compress(plain))
+
+
+def _without_utf8_flag(data: bytes) -> bytes:
+    """The zip as Info-ZIP or macOS's Archive Utility write it: UTF-8 names, general purpose bit 11 unset."""
+    patched = bytearray(data)
+    for signature, flag_at in ((b"PK\x03\x04", 6), (b"PK\x01\x02", 8)):
+        at = patched.find(signature)
+        patched[at + flag_at + 1] &= ~0x08 & 0xFF
+    return bytes(patched)
+
+
+def test_zip_names_in_utf8_without_the_flag_and_in_cp437(tmp_path: Path) -> None:
+    utf8 = zip_of([("café/日本.png", PNG)])
+    assert read(tmp_path, _without_utf8_flag(utf8)) == {normalize_path("café/日本.png"): PNG}
+    cp437 = bytearray(_without_utf8_flag(zip_of([("caf\u00e9.png", PNG)])))
+    for signature, name_at in ((b"PK\x03\x04", 30), (b"PK\x01\x02", 46)):
+        at = cp437.find(signature) + name_at
+        # DOS-era tools: 0x82 is cp437's e-acute, one byte (not UTF-8) where UTF-8 took two; zipfile ends a
+        # name at its first NUL, which pads it to the same length.
+        cp437[at:at + 9] = b"caf\x82.png\x00"
+    assert list(read(tmp_path, bytes(cp437))) == [normalize_path("caf\u00e9.png")]
