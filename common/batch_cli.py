@@ -154,3 +154,7 @@ def results(
         partial.replace(output)
     counts = batch["request_counts"]
     typer.echo(f"{batch['status']}: {counts['completed']} completed, {counts['failed']} failed -> {output}", err=True)
+    if batch["status"] == "failed":
+        for error in ((batch.get("errors") or {}).get("data") or [])[:5]:
+            typer.echo(f"  {error.get('code')}: {error.get('message')}", err=True)
+        raise typer.Exit(1)

@@ -165,8 +165,12 @@ def iter_csv_lines(chunks: Iterable[bytes], max_line_bytes: int) -> Iterator[tup
             yield number, LineError(number, None, "invalid_utf8", f"line {number} is not valid UTF-8")
             continue
         if len(row) != len(header):
+            # A quote left open runs on into the lines below: say which lines this record took.
+            span = f"lines {number}-{reader.line_num} (a quoted field runs across them)" \
+                if reader.line_num > number else f"line {number}"
+            # No custom_id: with the fields miscounted, the one in its column may be another column's value.
             yield number, LineError(number, None, "invalid_csv",
-                                    f"line {number} has {len(row)} fields; the header has {len(header)}")
+                                    f"{span} has {len(row)} fields; the header has {len(header)}")
             continue
         line = json.dumps(_csv_request(dict(zip(header, row, strict=True)), number))
         if len(line) > max_line_bytes:

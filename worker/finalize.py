@@ -16,7 +16,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import select, update
 
 from common import batches, jobs
 from common.batch_input import LineError, job_line, refused_line
@@ -101,6 +101,10 @@ def finalize_batch(batch_id: str, db: Database, store: ObjectStore) -> str:
             if batches.has_open_jobs(session, batch_id):
                 return batch.status  # running jobs finish (or are refused) first
             final = BatchStatus.CANCELLED
+        elif batch.status == BatchStatus.FAILED and batch.refused_requests and batch.error_file_id is None:
+            tenant = batch.tenant
+            _attach_refusals(batch_id, tenant, db, store)
+            return batch.status
         else:
             return batch.status
         tenant = batch.tenant
@@ -132,6 +136,29 @@ def finalize_batch(batch_id: str, db: Database, store: ObjectStore) -> str:
         log.info("batch %s was finalized by another run", batch_id)
     with db.session() as session:
         return session.scalar(select(Batch.status).where(Batch.id == batch_id)) or "missing"
+
+
+def _attach_refusals(batch_id: str, tenant: str, db: Database, store: ObjectStore) -> None:
+    """A batch none of whose lines could run failed at ingestion, its `errors` listing the first 100 (OpenAI's
+    shape); every refused line still gets its line in an error file, as in any other batch."""
+    output, errors = _JsonlObject(store, output_key(batch_id, tenant)), _JsonlObject(store, error_key(batch_id, tenant))
+    try:
+        _write_lines(batch_id, db, output, errors, "batch_cancelled")
+        output.abort()  # no line became a job, so nothing was opened; should one have, it is not this file's
+        size = errors.close()
+    except BaseException:
+        errors.abort()
+        raise
+    if size is None:
+        return
+    with db.session() as session:
+        record = add_file(session, file_id=new_file_id(), key=error_key(batch_id, tenant), size=size,
+                          filename=f"{batch_id}_error.jsonl", purpose="batch_output", tenant=tenant)
+        attached = session.execute(
+            update(Batch).where(Batch.id == batch_id, Batch.error_file_id.is_(None))
+            .values(error_file_id=record.id).execution_options(synchronize_session=False)).rowcount
+        if not attached:  # a concurrent finalizer attached its record of the same object first
+            session.delete(record)
 
 
 def _write_lines(batch_id: str, db: Database, output: _JsonlObject, errors: _JsonlObject,

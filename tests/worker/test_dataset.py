@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from sqlalchemy import select
 
+from common.batch_input import LineError
 from common.db import Database, get_database
 from common.files import add_file, file_key
 from common.models import Batch, BatchLineError, new_file_id
@@ -166,6 +167,15 @@ def test_csv_lines_are_openai_lines() -> None:
         assert json.loads(got[0][1])["body"]["messages"][0]["content"] == [  # type: ignore[arg-type]
             {"type": "image_url", "image_url": {"url": "a.png"}}, {"type": "text", "text": "hello"}]
         assert got[0][0] == 2 and json.loads(got[2][1])["custom_id"] == "line-5"  # type: ignore[arg-type]
+
+
+def test_an_open_quote_says_which_lines_its_record_took() -> None:
+    data = b'custom_id,prompt,max_tokens\nk1,fine,3\nk2,"left open,3\nk3,swallowed,3\nk4,also swallowed,3'
+    got = list(iter_csv_lines([data], 10_000))
+    assert [n for n, _ in got] == [2, 3]
+    error = got[1][1]
+    assert isinstance(error, LineError) and error.code == "invalid_csv"
+    assert error.message.startswith("lines 3-5 (a quoted field runs across them)")
 
 
 def _messages(db: Database, batch_id: str) -> dict[str | None, tuple[str, str]]:

@@ -194,6 +194,16 @@ def test_batches_that_cannot_run_fail_with_errors(settings: Settings, db: Databa
         assert [(e["line"], e["code"]) for e in batch.errors] == [(1, "invalid_json"), (2, "invalid_line"),
                                                                  (3, "invalid_request")]
         assert "max_tokens" in batch.errors[2]["message"]
+        # Every refused line also has its line in an error file, as in a batch that ran.
+        assert finalize_batch(batch_id, db, store) == "failed"
+        batch = get_batch(db, batch_id)
+        assert batch.output_file_id is None and batch.error_file_id is not None
+        lines = _read_jsonl(store, db, batch.error_file_id)
+        assert [line["error"]["code"] for line in lines] == ["invalid_json", "invalid_line", "invalid_request"]
+        assert finalize_batch(batch_id, db, store) == "failed"  # a second run attaches nothing more
+        assert get_batch(db, batch_id).error_file_id == batch.error_file_id
+    else:
+        assert finalize_batch(batch_id, db, store) == "failed" and get_batch(db, batch_id).error_file_id is None
 
 
 def _finish(db: Database, store: ObjectStore, job: Job, text: str) -> None:
