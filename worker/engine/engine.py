@@ -10,6 +10,7 @@ from worker.engine.allocator import keep_freed_memory
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig
 from worker.engine.encoder_cache import EncoderCache
+from worker.engine.families import attention_window
 from worker.engine.model_runner import ModelRunner, PreparedInput, num_kv_blocks_for
 from worker.engine.request import Request, RequestStatus
 from worker.engine.scheduler import Scheduler
@@ -40,7 +41,11 @@ class Engine:
         self.config = config or EngineConfig()
         keep_freed_memory()
         self.loaded = loaded
-        num_blocks = num_kv_blocks_for(loaded.model, self.config, loaded.device, loaded.max_positions)
+        # Prompt + output stay within the positions the model has, and within its sliding window, if any.
+        limits = [n for n in (loaded.max_positions, attention_window(loaded.model.config.get_text_config()))
+                  if n is not None]
+        self.max_model_len = min(limits) if limits else None
+        num_blocks = num_kv_blocks_for(loaded.model, self.config, loaded.device, self.max_model_len)
         self.block_manager = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.encoder_cache = EncoderCache(self.config.encoder_cache_tokens)
         self.scheduler = Scheduler(self.config, self.block_manager, self.encoder_cache)
@@ -64,7 +69,7 @@ class Engine:
             images=prepared.images,
             priority=req.priority,
             eos_token_ids=self._eos,
-            max_model_len=self.loaded.max_positions,
+            max_model_len=self.max_model_len,
         ))
         self.runner.add(prepared)
 

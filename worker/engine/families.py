@@ -264,10 +264,32 @@ class Qwen2VLFamily(ModelFamily):
         return torch.cat(list(positions), dim=-1).unsqueeze(1)
 
 
+def attention_window(text_config: object) -> int | None:
+    """How many tokens a query sees where some decoder layer's attention slides (None: every layer sees the
+    whole context). Up to that length sliding and full attention are the same computation, so the engine,
+    which attends to the whole context, caps prompt + output there rather than diverge from the model."""
+    window = getattr(text_config, "sliding_window", None)
+    if not isinstance(window, int) or window <= 0:
+        return None
+    layer_types = getattr(text_config, "layer_types", None)
+    if layer_types is not None:
+        return window if any(t != "full_attention" for t in layer_types) else None
+    return None if getattr(text_config, "use_sliding_window", True) is False else window
+
+
+def _unsupported_attention(text_config: object) -> str | None:
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(text_config, name, None):
+            return f"{name} (the paged attention and logits do not cap)"
+    return None
+
+
 def get_family(model: nn.Module) -> ModelFamily:
     """The family adapter of a loaded HF VLM, by its config's model_type."""
     config = model.config
     model_type = getattr(config, "model_type", "")
+    if (problem := _unsupported_attention(config.get_text_config())) is not None:
+        raise ValueError(f"the paged engine does not run decoders with {problem}")
     image_token_id = getattr(config, "image_token_id", None)
     if not isinstance(image_token_id, int):
         raise ValueError(f"{type(model).__name__} config has no integer image_token_id")

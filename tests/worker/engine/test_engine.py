@@ -6,10 +6,12 @@ shared prefixes, one image in many requests (encoder cache) and budgets that pus
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,7 +20,7 @@ from PIL import Image
 from tests.hf_reference import assert_greedy_matches, hf_generate_alone, hf_greedy_with_margins
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
-from worker.generation import GenerationRequest, GenerationResult, SamplingParams
+from worker.generation import GenerationRequest, GenerationResult, InputError, SamplingParams
 from worker.model_loader import LoadedModel, load_model
 
 FAMILIES = ["llava", "llava_siglip", "qwen2_vl", "internvl"]
@@ -252,3 +254,62 @@ def test_request_ids_can_be_reused_after_they_finish(tiny_llava_path: Path) -> N
     second = [r.token_ids for r in engine.generate(requests)]  # a retried job comes back under its id
     assert first == second
     assert engine.block_manager.num_used_blocks == 0 and not engine.runner.inputs
+
+
+def _with_text_config(source: Path, target: Path, **changes: object) -> Path:
+    """A copy of a tiny LLaVA checkpoint whose decoder config is changed (same weights, same names)."""
+    import shutil
+
+    shutil.copytree(source, target)
+    config = json.loads((target / "config.json").read_text())
+    config["text_config"].update(changes)
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+def test_a_sliding_window_caps_the_context_and_tokens_match_hf(tiny_llava_path: Path, tmp_path: Path) -> None:
+    """A Mistral decoder with a 48-token window: up to 48 tokens sliding and full attention are one
+    computation, so the engine stops each request there (finish 'length') with HF's tokens; a prompt past
+    the window is refused rather than answered with tokens the model would not give."""
+    path = _with_text_config(tiny_llava_path, tmp_path / "mistral", model_type="mistral", sliding_window=48)
+    loaded = load_model(str(path))
+    engine = Engine(loaded, EngineConfig(num_kv_blocks=256, block_size=8))
+    assert engine.max_model_len == 48
+    rng = random.Random(35)
+    requests = [GenerationRequest(f"w{i}", [{"role": "user", "content": [
+        *([{"type": "image"}] if i % 2 else []), {"type": "text", "text": f"say {i}"}]}],
+        [_image(rng)] if i % 2 else [], SamplingParams(max_tokens=64)) for i in range(4)]
+    fits = [engine.prepare(r) for r in requests]
+    assert all(len(p.prompt_token_ids) < 40 for p in fits)
+    for p in fits:
+        engine.add_request(p)
+    results = {r.request_id: r for r in _drain(engine)}
+    reference_model = load_model(str(path))  # the engine's copy attends through its paged cache
+    for p in fits:
+        got = results[p.request.request_id]
+        assert got.prompt_tokens + got.completion_tokens <= 48
+        tokens, margins = hf_greedy_with_margins(reference_model, p.request.messages, p.request.images,
+                                                 got.completion_tokens)
+        assert_greedy_matches(got.token_ids, tokens, margins, p.request.request_id)
+        assert got.finish_reason == "length" or got.token_ids[-1] in loaded.eos_token_ids
+    long = replace(requests[0], request_id="long", messages=[{"role": "user", "content": "word " * 60}])
+    assert any(results[p.request.request_id].finish_reason == "length" for p in fits)
+    with pytest.raises(InputError, match="max_model_len=48"):
+        engine.add_request(engine.prepare(long))
+
+
+def test_decoders_the_engine_cannot_run_fall_back(tiny_llava_path: Path, tmp_path: Path) -> None:
+    from common.settings import Settings
+    from worker.context import make_backend
+    from worker.engine.families import attention_window, get_family
+
+    capped = load_model(str(_with_text_config(tiny_llava_path, tmp_path / "capped", attn_logit_softcapping=50.0)))
+    with pytest.raises(ValueError, match="softcapping"):
+        get_family(capped.model)
+    backend = make_backend(capped, Settings(model="x", broker_url="memory://"))
+    assert type(backend).__name__ == "BatchingGenerator"  # batched HF generate, which caps as the model does
+    backend.close()
+    full = SimpleNamespace(sliding_window=4096, use_sliding_window=False, layer_types=None)
+    assert attention_window(full) is None
+    assert attention_window(SimpleNamespace(sliding_window=64, layer_types=["full_attention"] * 2)) is None
+    assert attention_window(SimpleNamespace(sliding_window=64, layer_types=["sliding_attention"])) == 64
