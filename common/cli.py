@@ -173,8 +173,8 @@ def run(
     console = Console(stderr=True)
     try:
         summary = run_file(input_path, output, settings, console, images=images)
-    except (ValueError, OSError, DataDirBusy) as exc:
-        # An unwritable output, a data folder in use or not a folder, a model that cannot be loaded.
+    except (ValueError, OSError, ImportError, NotImplementedError, DataDirBusy) as exc:
+        # An unwritable output, a data folder in use or not a folder, a model that cannot be loaded or run.
         console.print(f"[bold red]error[/bold red]: {exc}")
         raise typer.Exit(2) from None
     except KeyboardInterrupt:

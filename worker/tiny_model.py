@@ -260,8 +260,9 @@ def build_tiny_llava(out_dir: Path, *, seed: int = 0, vision: str = "clip", spec
     return out_dir
 
 
-def build_tiny_qwen2_vl(out_dir: Path, *, seed: int = 0) -> Path:
-    """Write a tiny random Qwen2-VL (model, tokenizer, image processor, image-only processor) to `out_dir`.
+def build_tiny_qwen2_vl(out_dir: Path, *, seed: int = 0, version: str = "2") -> Path:
+    """Write a tiny random Qwen2-VL (`version` "2") or Qwen2.5-VL ("2.5": the same decoder and positions, a
+    tower with windowed attention and a gated MLP) (model, tokenizer, image processor, image-only processor).
 
     Images are resized to sides that are multiples of patch * merge = 16 px, with 32*32 to 64*64 pixels in all,
     so each becomes a (1, h, w) grid of 16..64 patches and 4..16 placeholder tokens, by aspect ratio. The text model
@@ -269,6 +270,9 @@ def build_tiny_qwen2_vl(out_dir: Path, *, seed: int = 0) -> Path:
     three sections turn noticeably over a short prompt: a wrong position row changes the logits.
     """
     from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2_5_VLProcessor,
         Qwen2VLConfig,
         Qwen2VLForConditionalGeneration,
         Qwen2VLImageProcessorPil,
@@ -276,7 +280,10 @@ def build_tiny_qwen2_vl(out_dir: Path, *, seed: int = 0) -> Path:
         Qwen2VLTextConfig,
         Qwen2VLVisionConfig,
     )
+    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLTextConfig, Qwen2_5_VLVisionConfig
 
+    if version not in ("2", "2.5"):
+        raise ValueError(f"unsupported Qwen-VL version {version!r}; choose '2' or '2.5'")
     spec = TinySpec()
     patch, merge, temporal = 8, 2, 2
     out_dir = Path(out_dir)
@@ -286,7 +293,7 @@ def build_tiny_qwen2_vl(out_dir: Path, *, seed: int = 0) -> Path:
     ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in QWEN2_VL_TOKENS.items()}
     head_dim = spec.text_hidden // spec.text_heads
     section = head_dim // 2 // 3
-    text_config = Qwen2VLTextConfig(
+    text_config = (Qwen2VLTextConfig if version == "2" else Qwen2_5_VLTextConfig)(
         **_text_config_kwargs(spec, tokenizer),
         rope_parameters={
             "rope_type": "default",
@@ -294,18 +301,34 @@ def build_tiny_qwen2_vl(out_dir: Path, *, seed: int = 0) -> Path:
             "mrope_section": [head_dim // 2 - 2 * section, section, section],
         },
     )
-    vision_config = Qwen2VLVisionConfig(
-        depth=spec.vision_layers,
-        embed_dim=spec.vision_hidden,
-        hidden_size=spec.text_hidden,  # the patch merger projects straight to the text width
-        num_heads=4,
-        mlp_ratio=2,
-        patch_size=patch,
-        spatial_merge_size=merge,
-        temporal_patch_size=temporal,
-        initializer_range=spec.vision_init_range,
-    )
-    config = Qwen2VLConfig(
+    if version == "2":
+        vision_config = Qwen2VLVisionConfig(
+            depth=spec.vision_layers,
+            embed_dim=spec.vision_hidden,
+            hidden_size=spec.text_hidden,  # the patch merger projects straight to the text width
+            num_heads=4,
+            mlp_ratio=2,
+            patch_size=patch,
+            spatial_merge_size=merge,
+            temporal_patch_size=temporal,
+            initializer_range=spec.vision_init_range,
+        )
+    else:
+        vision_config = Qwen2_5_VLVisionConfig(
+            depth=spec.vision_layers,
+            hidden_size=spec.vision_hidden,
+            intermediate_size=spec.vision_hidden * 2,
+            out_hidden_size=spec.text_hidden,
+            num_heads=4,
+            patch_size=patch,
+            spatial_merge_size=merge,
+            temporal_patch_size=temporal,
+            # Windows of 2x2 merged patches, the last block attending over the whole image, as 7B's do.
+            window_size=2 * patch * merge,
+            fullatt_block_indexes=[spec.vision_layers - 1],
+            initializer_range=spec.vision_init_range,
+        )
+    config = (Qwen2VLConfig if version == "2" else Qwen2_5_VLConfig)(
         text_config=text_config,
         vision_config=vision_config,
         image_token_id=ids["image_token"],
@@ -315,7 +338,7 @@ def build_tiny_qwen2_vl(out_dir: Path, *, seed: int = 0) -> Path:
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
-    model = Qwen2VLForConditionalGeneration(config)
+    model = (Qwen2VLForConditionalGeneration if version == "2" else Qwen2_5_VLForConditionalGeneration)(config)
     _set_generation_ids(model, tokenizer)
 
     image_processor = Qwen2VLImageProcessorPil(
@@ -326,7 +349,8 @@ def build_tiny_qwen2_vl(out_dir: Path, *, seed: int = 0) -> Path:
         max_pixels=(4 * patch * merge) ** 2,
     )
     processor = _image_only_processor(
-        Qwen2VLProcessor, image_processor=image_processor, tokenizer=tokenizer, chat_template=QWEN2_VL_CHAT_TEMPLATE
+        Qwen2VLProcessor if version == "2" else Qwen2_5_VLProcessor, image_processor=image_processor,
+        tokenizer=tokenizer, chat_template=QWEN2_VL_CHAT_TEMPLATE,
     )
     model.save_pretrained(out_dir, safe_serialization=True)
     processor.save_pretrained(out_dir)
@@ -398,7 +422,7 @@ def build_tiny_internvl(out_dir: Path, *, seed: int = 0) -> Path:
     return out_dir
 
 
-FAMILIES = ("llava", "llava-siglip", "qwen2-vl", "internvl")
+FAMILIES = ("llava", "llava-siglip", "qwen2-vl", "qwen2.5-vl", "internvl")
 
 
 def build_tiny(out_dir: Path, family: str = "llava", *, seed: int = 0) -> Path:
@@ -409,6 +433,8 @@ def build_tiny(out_dir: Path, family: str = "llava", *, seed: int = 0) -> Path:
         return build_tiny_llava(out_dir, seed=seed, vision="siglip")
     if family == "qwen2-vl":
         return build_tiny_qwen2_vl(out_dir, seed=seed)
+    if family == "qwen2.5-vl":
+        return build_tiny_qwen2_vl(out_dir, seed=seed, version="2.5")
     if family == "internvl":
         return build_tiny_internvl(out_dir, seed=seed)
     raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")

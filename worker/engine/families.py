@@ -288,7 +288,8 @@ def get_family(model: nn.Module) -> ModelFamily:
     """The family adapter of a loaded HF VLM, by its config's model_type."""
     config = model.config
     model_type = getattr(config, "model_type", "")
-    if (problem := _unsupported_attention(config.get_text_config())) is not None:
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if (problem := _unsupported_attention(text_config)) is not None:
         raise ValueError(f"the paged engine does not run decoders with {problem}")
     image_token_id = getattr(config, "image_token_id", None)
     if not isinstance(image_token_id, int):
@@ -297,9 +298,9 @@ def get_family(model: nn.Module) -> ModelFamily:
         return ModelFamily(image_token_id)
     if model_type == "internvl":
         return InternVLFamily(image_token_id)
-    if model_type == "qwen2_vl":
+    if model_type in ("qwen2_vl", "qwen2_5_vl"):  # 2.5: another tower, the same placeholders and M-RoPE
         return Qwen2VLFamily(image_token_id, config.vision_config.spatial_merge_size)
     raise ValueError(
         f"the paged engine does not support model_type {model_type!r} ({type(model).__name__}) yet; "
-        "supported: llava, internvl, qwen2_vl"
+        "supported: llava, internvl, qwen2_vl, qwen2_5_vl"
     )

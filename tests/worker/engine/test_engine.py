@@ -23,7 +23,7 @@ from worker.engine.engine import Engine
 from worker.generation import GenerationRequest, GenerationResult, InputError, SamplingParams
 from worker.model_loader import LoadedModel, load_model
 
-FAMILIES = ["llava", "llava_siglip", "qwen2_vl", "internvl"]
+FAMILIES = ["llava", "llava_siglip", "qwen2_vl", "qwen2_5_vl", "internvl"]
 WORDS = ("describe the picture what colour is it tell me a story about this image how many shapes are there "
          "left right top bottom").split()
 SYSTEM = ("You are a careful assistant that looks at every picture closely and answers questions about it "
@@ -61,7 +61,8 @@ def make_requests(n: int, seed: int, *, shared_image: Image.Image | None = None,
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request: pytest.FixtureRequest) -> tuple[str, Path]:
     fixture = {"llava": "tiny_llava_path", "llava_siglip": "tiny_llava_siglip_path",
-               "qwen2_vl": "tiny_qwen2_vl_path", "internvl": "tiny_internvl_path"}[request.param]
+               "qwen2_vl": "tiny_qwen2_vl_path", "qwen2_5_vl": "tiny_qwen2_5_vl_path",
+               "internvl": "tiny_internvl_path"}[request.param]
     return request.param, request.getfixturevalue(fixture)
 
 
@@ -136,9 +137,11 @@ def test_matches_hf_generate(family: tuple[str, Path], reference_model: LoadedMo
     # On CPU every norm and MLP of the language model ran as a one-pass kernel: two norms and an MLP a layer,
     # and the final norm (each family's LM is Llama- or Qwen2-shaped).
     layers = engine.runner.model.config.get_text_config().num_hidden_layers
-    assert engine.runner.num_fused_modules == 3 * layers + 1
+    # Qwen2.5-VL's tower is built of the same RMSNorms and gated MLPs (and a norm before its merger).
+    tower = 3 * engine.runner.model.config.vision_config.depth + 1 if name == "qwen2_5_vl" else 0
+    assert engine.runner.num_fused_modules == 3 * layers + 1 + tower
     # RoPE in one pass in every Llama-style attention; Qwen2-VL's multimodal rotation keeps HF's.
-    assert engine.runner.num_rotary_modules == (0 if name.replace("-", "_") == "qwen2_vl" else layers)
+    assert engine.runner.num_rotary_modules == (0 if name in ("qwen2_vl", "qwen2_5_vl") else layers)
     assert max(engine.runner.vision_batch_sizes) > 1  # images of several requests in one vision forward
     assert engine.block_manager.num_used_blocks == 0
     # Every step is timed as one with prompt tokens or one that only decoded (36 prompts over a 256-token budget
@@ -313,3 +316,15 @@ def test_decoders_the_engine_cannot_run_fall_back(tiny_llava_path: Path, tmp_pat
     assert attention_window(full) is None
     assert attention_window(SimpleNamespace(sliding_window=64, layer_types=["full_attention"] * 2)) is None
     assert attention_window(SimpleNamespace(sliding_window=64, layer_types=["sliding_attention"])) == 64
+
+
+def test_a_model_neither_path_runs_is_refused_at_start(tiny_qwen2_vl_path: Path) -> None:
+    """M-RoPE under a model_type the engine does not know (Qwen3-VL, GLM-4V): one clear error before any job,
+    naming both reasons, not a fallback that fails every job."""
+    from common.settings import Settings
+    from worker.context import UnsupportedModel, make_backend
+
+    loaded = load_model(str(tiny_qwen2_vl_path))
+    loaded.model.config.model_type = "qwen3_vl"
+    with pytest.raises(UnsupportedModel, match=r"paged engine does not support model_type 'qwen3_vl'.*M-RoPE"):
+        make_backend(loaded, Settings(model="x", broker_url="memory://"))

@@ -17,7 +17,7 @@ from worker.engine.families import ModelFamily, get_family
 from worker.model_loader import LoadedModel, load_model
 from worker.tiny_model import main as tiny_model_main
 
-FAMILIES = ["llava", "llava_siglip", "qwen2_vl", "internvl"]
+FAMILIES = ["llava", "llava_siglip", "qwen2_vl", "qwen2_5_vl", "internvl"]
 
 
 def _image(width: int, height: int, seed: int) -> Image.Image:
@@ -36,11 +36,12 @@ CASES: dict[str, list[Any]] = {
 
 @pytest.fixture(scope="module")
 def models(
-    tiny_llava_path: Path, tiny_llava_siglip_path: Path, tiny_qwen2_vl_path: Path, tiny_internvl_path: Path
+    tiny_llava_path: Path, tiny_llava_siglip_path: Path, tiny_qwen2_vl_path: Path, tiny_qwen2_5_vl_path: Path,
+    tiny_internvl_path: Path,
 ) -> Callable[[str], LoadedModel]:
     """Loads lazily through the production loader, so one family failing to load fails only its own tests."""
     paths = {"llava": tiny_llava_path, "llava_siglip": tiny_llava_siglip_path, "qwen2_vl": tiny_qwen2_vl_path,
-             "internvl": tiny_internvl_path}
+             "qwen2_5_vl": tiny_qwen2_5_vl_path, "internvl": tiny_internvl_path}
     cache: dict[str, LoadedModel] = {}
 
     def get(name: str) -> LoadedModel:
