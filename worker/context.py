@@ -133,10 +133,6 @@ def prepare_pool(settings: Settings, generator: Generator) -> PreparePool | None
     return PreparePool(settings, settings.prepare_processes)
 
 
-class UnsupportedModel(ValueError):
-    """A model neither the engine nor the HF fallback can run: refused at start-up, before any job."""
-
-
 def make_backend(loaded: object, settings: Settings) -> Generator:
     """The paged engine where it supports the model's family, else batched HF generate."""
     from worker.engine.engine import Engine
@@ -145,22 +141,14 @@ def make_backend(loaded: object, settings: Settings) -> Generator:
     from worker.hf_runner import HFBatchRunner
 
     use_engine = settings.backend == "engine"
-    engine_problem: ValueError | None = None
     if settings.backend == "auto":
         try:
             get_family(loaded.model)  # type: ignore[attr-defined]
             use_engine = True
         except ValueError as exc:
-            engine_problem = exc
             log.warning("falling back to batched HF generate: %s", exc)
     if not use_engine:
-        try:
-            runner = HFBatchRunner(loaded)  # type: ignore[arg-type]
-        except NotImplementedError as exc:
-            why = f" the paged engine: {engine_problem};" if engine_problem is not None else ""
-            raise UnsupportedModel(f"vlmq cannot run {type(loaded.model).__name__}:{why} "  # type: ignore[attr-defined]
-                                   f"batched HF generate: {exc}") from None
-        return BatchingGenerator(runner, max_batch_size=settings.max_batch_size,
+        return BatchingGenerator(HFBatchRunner(loaded), max_batch_size=settings.max_batch_size,  # type: ignore[arg-type]
                                  batch_wait_s=settings.batch_wait_ms / 1000)
     return EngineService(Engine(loaded, engine_config(settings)))  # type: ignore[arg-type]
 

@@ -6,12 +6,15 @@ whole batch into one `inputs_embeds` tensor and decodes all requests together in
 call. Greedy requests get exactly the tokens HF `generate` gives for that request alone; sampled requests
 draw from their own seeded generator, so a seed reproduces its output whatever else shares the batch.
 
-It stands in until the paged engine (worker/engine) lands; it pads, so it wastes compute on ragged batches.
+It serves the models the paged engine (worker/engine) does not; it pads, so it wastes compute on ragged
+batches. Models or requests that cannot be batched this way (see HFBatchRunner) run one at a time through
+`generate` on the processor's own outputs.
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
 import secrets
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -38,6 +41,8 @@ class PreparedRequest:
     image_inputs: list[dict[str, torch.Tensor]] = field(default_factory=list)
     # max_tokens, clamped so the prompt plus the completion fit the model's positions.
     max_new_tokens: int = 0
+    # The processor's whole output, for a request that runs through generate alone (see HFBatchRunner).
+    encoded: dict[str, Any] | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -125,11 +130,16 @@ class HFBatchRunner:
         self.max_positions = loaded.max_positions
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = int(pad if pad is not None else loaded.eos_token_ids[0])
+        # Requests are batched as image features merged into one padded inputs_embeds. A model that cannot
+        # take that runs each request through generate on its processor's own outputs instead (slower, and
+        # exactly HF's answer): one without get_image_features (Mllama attends to images across layers), one
+        # whose generate refuses inputs_embeds (Gemma3, PaliGemma: their image tokens attend both ways by
+        # token_type_ids), or one with multimodal RoPE (Qwen-VL, GLM-4V), whose positions come from the image
+        # grids inside the model: a bare embeddings batch would get 1-D positions and wrong outputs.
         rope = getattr(self.model.config.get_text_config(), "rope_parameters", None) or {}
-        if "mrope_section" in rope:
-            # Multimodal RoPE (Qwen2-VL family) derives positions from the image grids inside the model; a
-            # bare inputs_embeds batch would get plain 1-D positions and silently wrong outputs.
-            raise NotImplementedError("HFBatchRunner does not support M-RoPE models; use the paged engine")
+        takes_embeds = "inputs_embeds" in inspect.signature(self.model.prepare_inputs_for_generation).parameters
+        self.batchable = (hasattr(self.model, "get_image_features") and takes_embeds
+                          and "mrope_section" not in rope)
 
     # ---------------------------------------------------------------- CPU side (caller's thread)
 
@@ -138,12 +148,16 @@ class HFBatchRunner:
         max_new = req.sampling.max_tokens
         if self.max_positions is not None:
             max_new = min(max_new, self.max_positions - prompt.prompt_tokens)
-        return PreparedRequest(
-            request=req,
-            input_ids=prompt.input_ids,
-            image_inputs=self._split_per_image(prompt.encoded, prompt.num_images),
-            max_new_tokens=max_new,
-        )
+        image_inputs, encoded = [], None
+        if self.batchable:
+            try:
+                image_inputs = self._split_per_image(prompt.encoded, prompt.num_images)
+            except NotImplementedError:  # tiles, or several images in one row (Idefics3, Aya Vision): alone
+                encoded = dict(prompt.encoded)
+        else:
+            encoded = dict(prompt.encoded)
+        return PreparedRequest(request=req, input_ids=prompt.input_ids, image_inputs=image_inputs,
+                               max_new_tokens=max_new, encoded=encoded)
 
     @staticmethod
     def _split_per_image(encoded: Any, n_images: int) -> list[dict[str, torch.Tensor]]:
@@ -164,8 +178,30 @@ class HFBatchRunner:
 
     @torch.inference_mode()
     def generate(self, batch: list[PreparedRequest]) -> list[GenerationResult]:
-        if not batch:
-            return []
+        together = [p for p in batch if p.encoded is None]
+        batched = iter(self._generate_together(together) if together else [])
+        return [next(batched) if p.encoded is None else self._generate_alone(p) for p in batch]
+
+    def _generate_alone(self, prepared: PreparedRequest) -> GenerationResult:
+        """HF generate on the request's processor outputs, as a user of the model would call it."""
+        assert prepared.encoded is not None
+        device, dtype = self.loaded.device, self.model.dtype
+        inputs = {k: (v.to(device, dtype) if v.is_floating_point() else v.to(device))
+                  if isinstance(v, torch.Tensor) else v for k, v in prepared.encoded.items()}
+        prompt_len = int(inputs["input_ids"].shape[1])
+        params = [prepared.sampling]
+        out = self.model.generate(
+            **inputs,
+            max_new_tokens=prepared.max_new_tokens,
+            do_sample=False,
+            logits_processor=LogitsProcessorList([_PerRowSampler(params, device)]) if not params[0].greedy else None,
+            stopping_criteria=StoppingCriteriaList([_PerRowStop([prepared], self._decoder, start=prompt_len)]),
+            eos_token_id=sorted(self.eos_token_ids),
+            pad_token_id=self.pad_token_id,
+        )
+        return self._finish(prepared, out[0, prompt_len:].tolist())
+
+    def _generate_together(self, batch: list[PreparedRequest]) -> list[GenerationResult]:
         device = self.loaded.device
         features = self._encode_images(batch, device)
         embeds, attention_mask = self._build_inputs(batch, features, device)

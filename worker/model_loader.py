@@ -26,6 +26,8 @@ class LoadedModel:
     # The processor does nothing to a prompt without images but call this tokenizer (probed at load:
     # text_alone_by_tokenizer), so text-only prompts may skip it.
     text_by_tokenizer: bool = False
+    # The processor refused images as arrays (worker/preprocess.py), so it is given PIL images.
+    images_as_pil: bool = False
 
     @property
     def device(self) -> torch.device:

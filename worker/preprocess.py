@@ -56,11 +56,20 @@ def encode_prompt(loaded: LoadedModel, req: GenerationRequest) -> EncodedPrompt:
             f"the prompt has {n_placeholders} image placeholder(s) ({placeholder!r}) but "
             f"{len(req.images)} image(s) were given"
         )
+    rgb = [im if im.mode == "RGB" else im.convert("RGB") for im in req.images]
     # Handed over as arrays: the processor's own conversion of a PIL image costs 3-4x as much (image_array.py).
-    images = [for_processor(im if im.mode == "RGB" else im.convert("RGB")) for im in req.images]
+    images = rgb if loaded.images_as_pil else [for_processor(im) for im in rgb]
     try:
         if images or not loaded.text_by_tokenizer:
-            encoded = loaded.processor(text=[prompt], images=images or None, return_tensors="pt")
+            try:
+                encoded = loaded.processor(text=[prompt], images=images or None, return_tensors="pt")
+            except TypeError:
+                if not images or loaded.images_as_pil:
+                    raise
+                # Some processors (Idefics2's) load images through a helper that takes PIL images or paths
+                # only: this model's get PIL images from now on.
+                encoded = loaded.processor(text=[prompt], images=rgb, return_tensors="pt")
+                loaded.images_as_pil = True
         else:
             encoded = loaded.tokenizer([prompt], return_tensors="pt")
     except ValueError as exc:

@@ -267,3 +267,48 @@ def test_extreme_but_valid_sampling_values_run(runner: HFBatchRunner) -> None:
     results = _run(runner, [dataclasses.replace(request, request_id=f"x{i}", sampling=s)
                             for i, s in enumerate(extremes)])
     assert [r.token_ids for r in results] == [greedy.token_ids] * len(extremes)
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    from tests.worker.tiny_others import build_tiny_gemma3
+
+    return load_model(str(build_tiny_gemma3(tmp_path_factory.mktemp("models") / "tiny-gemma3")))
+
+
+def test_models_that_cannot_batch_embeddings_run_each_request_through_generate(
+        gemma3: LoadedModel, tiny_qwen2_vl_path: Path) -> None:
+    """Gemma3 (its generate takes no inputs_embeds; image tokens attend both ways by token_type_ids) and an
+    M-RoPE model the engine does not know (a Qwen2-VL posing as Qwen3-VL): each request alone, HF's tokens."""
+    qwen = load_model(str(tiny_qwen2_vl_path))
+    qwen.model.config.model_type = "qwen3_vl"
+    for loaded in (gemma3, qwen):
+        runner = HFBatchRunner(loaded)
+        assert not runner.batchable
+        requests = _requests(8, seed=29)
+        results = _run(runner, requests)
+        assert [r.request_id for r in results] == [q.request_id for q in requests]
+        for req, res in zip(requests, results, strict=True):
+            expected, prompt_len = _reference(loaded, req)
+            assert res.token_ids == expected and res.prompt_tokens == prompt_len, req.request_id
+        sampled = dataclasses.replace(requests[0], sampling=SamplingParams(max_tokens=6, temperature=0.9, seed=5))
+        assert _run(runner, [sampled])[0].token_ids == _run(runner, [sampled, requests[1]])[0].token_ids
+
+
+def test_processors_that_take_only_pil_images_and_requests_that_cannot_be_split(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Idefics2: its processor refuses image arrays (so it gets PIL images), and pixel_values of a request with
+    two images share one row (so that request runs alone); every answer is HF's."""
+    from tests.worker.tiny_others import build_tiny_idefics2
+
+    loaded = load_model(str(build_tiny_idefics2(tmp_path_factory.mktemp("models") / "tiny-idefics2")))
+    runner = HFBatchRunner(loaded)
+    assert runner.batchable
+    requests = _requests(9, seed=31)
+    prepared = [runner.prepare(r) for r in requests]
+    assert loaded.images_as_pil
+    assert [p.encoded is not None for p in prepared] == [len(r.images) > 1 for r in requests]
+    results = runner.generate(prepared)
+    for req, res in zip(requests, results, strict=True):
+        expected, prompt_len = _reference(loaded, req)
+        assert res.token_ids == expected and res.prompt_tokens == prompt_len, req.request_id

@@ -317,14 +317,3 @@ def test_decoders_the_engine_cannot_run_fall_back(tiny_llava_path: Path, tmp_pat
     assert attention_window(SimpleNamespace(sliding_window=64, layer_types=["full_attention"] * 2)) is None
     assert attention_window(SimpleNamespace(sliding_window=64, layer_types=["sliding_attention"])) == 64
 
-
-def test_a_model_neither_path_runs_is_refused_at_start(tiny_qwen2_vl_path: Path) -> None:
-    """M-RoPE under a model_type the engine does not know (Qwen3-VL, GLM-4V): one clear error before any job,
-    naming both reasons, not a fallback that fails every job."""
-    from common.settings import Settings
-    from worker.context import UnsupportedModel, make_backend
-
-    loaded = load_model(str(tiny_qwen2_vl_path))
-    loaded.model.config.model_type = "qwen3_vl"
-    with pytest.raises(UnsupportedModel, match=r"paged engine does not support model_type 'qwen3_vl'.*M-RoPE"):
-        make_backend(loaded, Settings(model="x", broker_url="memory://"))
