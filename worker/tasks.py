@@ -153,6 +153,9 @@ def register_tasks(app: Celery) -> None:
         dispatch.top_up_all(ctx.db, ctx.settings.dispatch_window, model_sender(app, ctx.settings))
         for batch_id in expire_due(ctx.db):
             log.info("batch %s expired: %d open jobs cancelled", batch_id, expire_batch(batch_id, ctx.db))
+            # Its open jobs are cancelled now; a job that ended just before did so while some were still
+            # queued, so no job's end may be left to send this.
+            send_finalize_batch(app, ctx.settings, batch_id)
         due = due_batches(ctx.db)
         for batch_id in due:
             send_finalize_batch(app, ctx.settings, batch_id)

@@ -361,6 +361,27 @@ def test_expiry_keeps_finished_results(settings: Settings, db: Database, store: 
         assert batches.batch_view(session, batch)["request_counts"] == {"total": 5, "completed": 1, "failed": 0}
 
 
+def test_the_sweep_that_expires_a_batch_sends_its_finalize(settings: Settings, db: Database, store: ObjectStore
+                                                           ) -> None:
+    """Expired while no job of it runs (the last running one ended a moment before, its batch still open), no
+    job's end is left to send finalize_batch: the sweep that cancelled the rest sends it."""
+    from common.queue import TASK_FINALIZE_BATCH, TASK_SWEEP_BATCHES, make_celery
+    from tests.api.test_jobs_api import _messages
+    from worker.tasks import register_tasks
+
+    batch_id = make_batch(db, store, "\n".join(line(f"s{i}") for i in range(3)).encode())
+    ingest_batch(batch_id, IngestDeps(settings, db, store, Recorder()))
+    _finish(db, store, batch_jobs(db, batch_id)[0], "in time")
+    _expire_now(db, batch_id)
+    app = make_celery(settings)
+    register_tasks(app)
+    app.tasks[TASK_SWEEP_BATCHES].apply().get()
+    assert get_batch(db, batch_id).status == "finalizing"
+    sent = [m for m in _messages(settings, "ingest") if m["headers"]["argsrepr"] == repr([batch_id])]
+    assert [m["headers"]["task"] for m in sent] == [TASK_FINALIZE_BATCH]
+    assert finalize_batch(batch_id, db, store) == "expired"
+
+
 def test_a_batch_whose_jobs_all_ended_completes_past_its_window(settings: Settings, db: Database,
                                                                   store: ObjectStore) -> None:
     """The last job ended before the sweep saw the window close: the batch finishes `completed`, not
