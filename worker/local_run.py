@@ -53,7 +53,6 @@ _RESUMABLE = (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS, BatchStatus.FINAL
 @dataclass
 class RunSummary:
     batch_id: str = ""
-    resumed: bool = False  # an interrupted run's batch of the same file, carried on
     status: str = ""  # the batch's at the end: completed, or failed (nothing in the file could run) with `errors`
     errors: list[dict[str, Any]] = field(default_factory=list)
     total_lines: int = 0
@@ -157,7 +156,7 @@ def run_file(input_path: Path, output_path: Path, settings: Settings, console: C
     summary = RunSummary()
     with embedded_worker(app, settings):
         started = time.monotonic()  # throughput counts the jobs, not the model load
-        summary.batch_id, summary.resumed = _start_batch(db, store, settings, input_path, images, console)
+        summary.batch_id, _ = _start_batch(db, store, settings, input_path, images, console)
 
         def dispatch(model_settings: Settings, job_ids: list[str], priority: int) -> None:
             send_run_jobs(app, model_settings, job_ids, priority)
