@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -47,7 +48,8 @@ class BatchContext:
     store: ObjectStore
 
 
-_batch_contexts: dict[int, BatchContext] = {}
+# Keyed by the app itself, weakly: an id() outlives its app and may be reused by the next one.
+_batch_contexts: weakref.WeakKeyDictionary[Celery, BatchContext] = weakref.WeakKeyDictionary()
 # Follow-ups of ended jobs (dispatch top-ups per tenant and model, finalize checks per batch) run on one
 # background thread, at most once per interval for each key (common/debounce.py).
 AFTER_JOB_INTERVAL_SECONDS = 0.1
@@ -60,10 +62,10 @@ _prefetch = PrefetchShare()
 def batch_context(app: Celery) -> BatchContext:
     """Per process and app: the settings the app was made with (embedded runs), else the environment's."""
     with _batch_lock:
-        ctx = _batch_contexts.get(id(app))
+        ctx = _batch_contexts.get(app)
         if ctx is None:
             settings = app_settings(app) or get_settings()
-            ctx = _batch_contexts[id(app)] = BatchContext(settings, get_database(settings.database_url),
+            ctx = _batch_contexts[app] = BatchContext(settings, get_database(settings.database_url),
                                                           make_store(settings))
         return ctx
 
@@ -75,8 +77,9 @@ def _backoff(task: Task, base: float) -> float:
 def register_tasks(app: Celery) -> None:
     task_received.connect(_prefetch.on_task_received, weak=False, dispatch_uid="vlmq-prefetch-share")
     # Tasks use this `app`, not `self.app`: in a worker thread that did not make the app current (the
-    # embedded worker), Celery resolves `self.app` to its unconfigured default app.
-    @app.task(name=TASK_RUN_JOB, bind=True, acks_late=True, max_retries=None)
+    # embedded worker), Celery resolves `self.app` to its unconfigured default app. Not shared: a shared
+    # task is registered on every app made later in the process too, where it would run against this one.
+    @app.task(shared=False, name=TASK_RUN_JOB, bind=True, acks_late=True, max_retries=None)
     def run_job(self: Task, job_ids: str | list[str]) -> str | list[str]:
         """One job (its id), or several sent together (a list of ids: common/queue.run_job_args)."""
         ctx = get_context()
@@ -93,7 +96,7 @@ def register_tasks(app: Celery) -> None:
             raise self.retry(countdown=_backoff(self, ctx.settings.retry_backoff_seconds))
         return outcome.status
 
-    @app.task(name=TASK_INGEST_BATCH, bind=True, acks_late=True, max_retries=BATCH_TASK_RETRIES)
+    @app.task(shared=False, name=TASK_INGEST_BATCH, bind=True, acks_late=True, max_retries=BATCH_TASK_RETRIES)
     def ingest_batch(self: Task, batch_id: str) -> str:
         from worker.ingest import IngestDeps
         from worker.ingest import ingest_batch as ingest
@@ -113,7 +116,7 @@ def register_tasks(app: Celery) -> None:
         send_finalize_batch(app, ctx.settings, batch_id)
         return status
 
-    @app.task(name=TASK_FINALIZE_BATCH, bind=True, acks_late=True, max_retries=BATCH_TASK_RETRIES)
+    @app.task(shared=False, name=TASK_FINALIZE_BATCH, bind=True, acks_late=True, max_retries=BATCH_TASK_RETRIES)
     def finalize_batch(self: Task, batch_id: str) -> str:
         from worker.finalize import finalize_batch as finalize
 
@@ -124,7 +127,7 @@ def register_tasks(app: Celery) -> None:
             log.exception("batch %s: finalization failed", batch_id)
             raise self.retry(exc=exc, countdown=_backoff(self, 2.0)) from exc
 
-    @app.task(name=TASK_CANCEL_BATCH, bind=True, acks_late=True, max_retries=BATCH_TASK_RETRIES)
+    @app.task(shared=False, name=TASK_CANCEL_BATCH, bind=True, acks_late=True, max_retries=BATCH_TASK_RETRIES)
     def cancel_batch(self: Task, batch_id: str) -> str:
         from worker.finalize import cancel_batch_jobs
         from worker.finalize import finalize_batch as finalize
@@ -137,7 +140,7 @@ def register_tasks(app: Celery) -> None:
         except Exception as exc:
             raise self.retry(exc=exc, countdown=_backoff(self, 2.0)) from exc
 
-    @app.task(name=TASK_SWEEP_BATCHES, bind=True, acks_late=True)
+    @app.task(shared=False, name=TASK_SWEEP_BATCHES, bind=True, acks_late=True)
     def sweep_batches(self: Task) -> int:
         """Periodic (beat): requeue jobs whose worker died, top up every tenant's dispatch window, expire
         batches past their window, and finalize those a trigger missed."""

@@ -367,7 +367,6 @@ def test_the_sweep_that_expires_a_batch_sends_its_finalize(settings: Settings, d
     job's end is left to send finalize_batch: the sweep that cancelled the rest sends it."""
     from common.queue import TASK_FINALIZE_BATCH, TASK_SWEEP_BATCHES, make_celery
     from tests.api.test_jobs_api import _messages
-    from worker import tasks
     from worker.tasks import register_tasks
 
     batch_id = make_batch(db, store, "\n".join(line(f"s{i}") for i in range(3)).encode())
@@ -376,8 +375,6 @@ def test_the_sweep_that_expires_a_batch_sends_its_finalize(settings: Settings, d
     _expire_now(db, batch_id)
     app = make_celery(settings)
     register_tasks(app)
-    # Contexts are cached by id(app): an earlier test's app, collected, may have left one under this id.
-    tasks._batch_contexts.pop(id(app), None)
     swept = app.tasks[TASK_SWEEP_BATCHES].apply()  # run here, as the ingest worker runs what beat sends
     assert swept.successful(), swept.traceback
     assert get_batch(db, batch_id).status == "finalizing"

@@ -1,0 +1,29 @@
+"""worker/tasks.py: the Celery tasks, bound to the app they were registered on."""
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+from common.migrate import upgrade
+from common.queue import TASK_SWEEP_BATCHES, make_celery
+from common.settings import Settings
+from worker.tasks import register_tasks
+
+
+def test_each_app_runs_its_own_tasks_against_its_own_settings(tmp_path: Path) -> None:
+    """Two apps in one process (tests, an embedded run beside another): the second app's sweep reads the
+    second app's database. Celery's default shared tasks were registered on every later app too, and the
+    first registration won, so the second app's sweep ran against the first app's database."""
+    first = Settings(data_dir=tmp_path / "first")  # no schema: a sweep that reached it would fail
+    second = Settings(data_dir=tmp_path / "second")
+    upgrade(second.database_url)
+    first_app, second_app = make_celery(first), make_celery(second)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # Celery warns when a task name is registered twice on one app
+        register_tasks(first_app)
+        register_tasks(second_app)
+        swept = second_app.tasks[TASK_SWEEP_BATCHES].apply()
+    assert swept.successful(), swept.traceback
+    assert swept.result == 0
+    failed = first_app.tasks[TASK_SWEEP_BATCHES].apply()
+    assert failed.failed() and "no such table" in str(failed.result)
