@@ -7,12 +7,14 @@ number and its own S3 server process, so runs never see each other's state.
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psycopg
@@ -59,16 +61,35 @@ def pg_url() -> Iterator[str]:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
+@contextmanager
+def held_redis_db() -> Iterator[str]:
+    """The URL of a Redis db number of its own, flushed before and after. Test runs side by side on one Redis
+    (a developer's and a CI check) each hold their db numbers by keys in db 0, so none flushes another's
+    queues."""
+    client = redis.Redis.from_url(f"{REDIS_BASE}/0")
+    claim = uuid.uuid4().hex
+    try:
+        for db_index in random.sample(range(1, 16), 15):
+            if client.set(f"vlmq-test-db:{db_index}", claim, nx=True, ex=4 * 3600):
+                break
+        else:
+            raise RuntimeError("Redis dbs 1-15 are all held by other test runs (keys vlmq-test-db:* in db 0)")
+        url = f"{REDIS_BASE}/{db_index}"
+        redis.Redis.from_url(url).flushdb()
+        try:
+            yield url
+        finally:
+            redis.Redis.from_url(url).flushdb()
+            if client.get(f"vlmq-test-db:{db_index}") == claim.encode():
+                client.delete(f"vlmq-test-db:{db_index}")
+    finally:
+        client.close()
+
+
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:
-    """A Redis db number of its own, flushed before and after."""
-    client = redis.Redis.from_url(f"{REDIS_BASE}/0")
-    db_index = 1 + int(uuid.uuid4().int % 15)
-    url = f"{REDIS_BASE}/{db_index}"
-    redis.Redis.from_url(url).flushdb()
-    yield url
-    redis.Redis.from_url(url).flushdb()
-    client.close()
+    with held_redis_db() as url:
+        yield url
 
 
 @pytest.fixture(scope="session")
@@ -188,10 +209,10 @@ def settings_from_env(env: dict[str, str], **overrides: object):  # type: ignore
 
 
 @pytest.fixture(scope="session")
-def compose_stack(s3_env: dict[str, str], redis_url: str, tiny_llava_path: Path,
+def compose_stack(s3_env: dict[str, str], tiny_llava_path: Path,
                   tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     """compose.yaml's services run as local processes (tests/stack.py), shared by the smoke and status-page tests."""
     from tests.stack import local_stack
 
-    with local_stack(s3_env, redis_url, tiny_llava_path, tmp_path_factory.mktemp("stack")) as stack:
+    with local_stack(s3_env, tiny_llava_path, tmp_path_factory.mktemp("stack")) as stack:
         yield stack

@@ -24,7 +24,7 @@ import boto3
 import psycopg
 import yaml
 
-from tests.conftest import PG_ADMIN_URL, REDIS_BASE, free_port, wait_for_port
+from tests.conftest import PG_ADMIN_URL, free_port, held_redis_db, wait_for_port
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "compose.yaml"
@@ -150,29 +150,27 @@ class LocalStack:
 
 
 @contextmanager
-def local_stack(s3_env: dict[str, str], session_redis_url: str, model: Path, workdir: Path) -> Iterator[LocalStack]:
+def local_stack(s3_env: dict[str, str], model: Path, workdir: Path) -> Iterator[LocalStack]:
     """A stack with its own database, Redis db (not the test session's) and bucket: its status page shows only
     what it did."""
     name = f"vlmq_stack_{uuid.uuid4().hex[:10]}"
     with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{name}"')
-    redis_url = f"{REDIS_BASE}/{1 + int(session_redis_url.rsplit('/', 1)[1]) % 15}"
-    import redis
-
-    redis.Redis.from_url(redis_url).flushdb()
     bucket = f"vlmq-stack-{uuid.uuid4().hex[:8]}"
     # minio-init's job: compose sets VLMQ_S3_CREATE_BUCKET=false.
     boto3.client("s3", endpoint_url=s3_env["VLMQ_S3_ENDPOINT_URL"], region_name="us-east-1",
                  aws_access_key_id="testing", aws_secret_access_key="testing").create_bucket(Bucket=bucket)
-    base = {**s3_env, "VLMQ_S3_BUCKET": bucket, "VLMQ_BROKER_URL": redis_url,
-            "VLMQ_DATABASE_URL": PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"}
-    stack = LocalStack(base, model, workdir)
     try:
-        stack.start()
-        yield stack
+        with held_redis_db() as redis_url:
+            base = {**s3_env, "VLMQ_S3_BUCKET": bucket, "VLMQ_BROKER_URL": redis_url,
+                    "VLMQ_DATABASE_URL": PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"}
+            stack = LocalStack(base, model, workdir)
+            try:
+                stack.start()
+                yield stack
+            finally:
+                stack.stop()
     finally:
-        stack.stop()
-        redis.Redis.from_url(redis_url).flushdb()
         with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
