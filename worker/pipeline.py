@@ -12,6 +12,7 @@ import logging
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from sqlalchemy import select
 from tenacity import (
     Retrying,
     retry,
@@ -25,7 +26,7 @@ from common import jobs
 from common.claimed_job import ClaimedJob
 from common.db import Database
 from common.images import ImageError
-from common.models import JobStatus
+from common.models import TERMINAL_STATUSES, Job, JobStatus
 from common.settings import Settings
 from common.storage import ObjectNotFound, ObjectStore, result_key
 from common.views import chat_completion
@@ -168,8 +169,21 @@ class JobPipeline:
             return self._release(job, "persist_error", f"{type(exc).__name__}: {exc}")
         if not finished:
             log.info("job %s: lease lost or cancelled; result discarded", job.id)
+            self._drop_orphan(job.id, key)
             return Outcome("lost")
         return Outcome(JobStatus.SUCCEEDED)
+
+    def _drop_orphan(self, job_id: str, key: str) -> None:
+        """Delete the result object a refused finish left, if nothing will refer to it: the job ended without
+        it (cancelled while it ran, or failed elsewhere). A job another worker holds now, or has finished, writes
+        or refers to the same key, so it stays."""
+        try:
+            with self.db.session() as session:
+                status, kept = session.execute(select(Job.status, Job.result_key).where(Job.id == job_id)).one()
+            if status in TERMINAL_STATUSES and kept != key:
+                self.store.delete(key)
+        except Exception:
+            log.warning("job %s: could not drop its discarded result %s", job_id, key, exc_info=True)
 
     @infra_retry
     def _get(self, key: str) -> bytes:

@@ -1,0 +1,97 @@
+"""worker/pipeline.py: one job's path through a worker, on SQLite and a local folder, with a model that
+stands in for the engine (so a test can act while the job is "generating")."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from common import jobs
+from common.db import Database, get_database
+from common.migrate import upgrade
+from common.settings import Settings
+from common.storage import ObjectStore, make_store, result_key
+from worker.generation import GenerationRequest, GenerationResult
+from worker.leases import LeaseKeeper
+from worker.pipeline import JobPipeline, Outcome
+
+MODEL = "stand-in"
+REQUEST = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+           "sampling": {"max_tokens": 4, "temperature": 0.0, "top_p": 1.0, "top_k": None, "seed": None,
+                        "stop": []}}
+
+
+class _ActingModel:
+    """Answers "ok", after running `during` (what happens to the job while it generates)."""
+
+    def __init__(self, during: Callable[[str], None]) -> None:
+        self.during = during
+
+    def prepare(self, req: GenerationRequest) -> GenerationRequest:
+        return req
+
+    def submit(self, prepared: GenerationRequest) -> Future[GenerationResult]:
+        self.during(prepared.request_id)
+        future: Future[GenerationResult] = Future()
+        future.set_result(GenerationResult(prepared.request_id, "ok", [1], "stop", 3, 1))
+        return future
+
+    def abort(self, request_id: str) -> None:
+        pass
+
+    def close(self, timeout: float = 10.0) -> None:
+        pass
+
+
+@pytest.fixture
+def local(tmp_path: Path) -> Iterator[tuple[Settings, Database, ObjectStore]]:
+    settings = Settings(data_dir=tmp_path, model=f"/models/{MODEL}", persist_retry_seconds=1)
+    upgrade(settings.database_url)
+    yield settings, get_database(settings.database_url), make_store(settings)
+
+
+def _run(local: tuple[Settings, Database, ObjectStore], during: Callable[[str], None]) -> tuple[str, Outcome]:
+    settings, db, store = local
+    with db.session() as session:
+        job_id = jobs.create_job(session, model=MODEL, request=REQUEST, tenant="acme").id
+    leases = LeaseKeeper(db, "worker-1", settings.lease_seconds, 3600)
+    pipeline = JobPipeline(settings, db, store, _ActingModel(during), leases, "worker-1")  # type: ignore[arg-type]
+    try:
+        return job_id, pipeline.run(job_id)
+    finally:
+        pipeline.close()
+
+
+def test_a_job_cancelled_while_it_ran_leaves_no_result_object(local: tuple[Settings, Database, ObjectStore]) -> None:
+    settings, db, store = local
+
+    def cancel(job_id: str) -> None:
+        with db.session() as session:
+            assert jobs.cancel(session, job_id)
+
+    job_id, outcome = _run(local, cancel)
+    assert outcome.status == "lost"
+    assert not store.exists(result_key(job_id, "acme"))
+
+
+def test_a_result_another_worker_now_writes_is_kept(local: tuple[Settings, Database, ObjectStore]) -> None:
+    """The lease passed to another worker meanwhile: it writes (or wrote) the same key, so it stays."""
+    settings, db, store = local
+    taken: dict[str, Any] = {}
+
+    def take_over(job_id: str) -> None:
+        with db.session() as session:
+            jobs.reap(session, every_lease=True)
+        with db.session() as session:
+            taken["job"] = jobs.claim(session, job_id, "worker-2", 60)
+
+    job_id, outcome = _run(local, take_over)
+    assert taken["job"] is not None and outcome.status == "lost"
+    assert store.exists(result_key(job_id, "acme"))
+    with db.session() as session:
+        assert jobs.finish(session, job_id, "worker-2", jobs.JobResult(result_key(job_id, "acme"), "ok", "stop",
+                                                                      3, 1))
