@@ -311,7 +311,7 @@ def _prepare_api(env: Environment) -> tuple[str, str]:
     db = get_database(settings.database_url)
     with db.session() as session:
         key = create_key(session, "bench").key
-        image = store_image(session, make_store(settings), png(random.Random(1), 16), settings)
+        image = store_image(session, make_store(settings), png(random.Random(1), 16), settings, "bench")
         return key, image_public_id(image.id)
 
 

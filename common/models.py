@@ -107,6 +107,18 @@ class ImageRecord(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
 
+class ImageOwner(Base):
+    """A tenant that stored an image (by upload, data: URL, remote URL or archive). Images are stored once for
+    everyone, but a tenant may see or name by id only the images it stored itself: otherwise anyone holding an
+    image's bytes could learn whether another tenant had sent it."""
+
+    __tablename__ = "image_owners"
+
+    tenant: Mapped[str] = mapped_column(String(64), primary_key=True)
+    image_id: Mapped[str] = mapped_column(String(64), primary_key=True)  # images.id
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
 class Job(Base):
     __tablename__ = "jobs"
     __table_args__ = (

@@ -22,7 +22,7 @@ from common.batches import insert_ignoring_conflicts
 from common.image_cache import ImageCache
 from common.image_fetch import ImageFetchError, fetcher_for
 from common.images import ImageError, inspect_image, parse_data_url
-from common.models import DEFAULT_TENANT, ImageRecord, Job, utcnow
+from common.models import DEFAULT_TENANT, ImageOwner, ImageRecord, Job, utcnow
 from common.schemas import ChatCompletionRequest, ImagePart, JobCreate, TextPart
 from common.settings import Settings
 from common.storage import ObjectStore, image_key
@@ -43,14 +43,25 @@ def image_public_id(sha256: str) -> str:
     return f"img_{sha256}"
 
 
-def store_image(session: Session, store: ObjectStore, data: bytes, settings: Settings) -> ImageRecord:
-    """Validate and store an image once (content-addressed); returns its row."""
+def owned_image(session: Session, tenant: str, sha256: str) -> ImageRecord | None:
+    """The image's row if `tenant` stored it; None for an image stored only by others, as for none at all."""
+    return session.scalar(select(ImageRecord).join(ImageOwner, ImageOwner.image_id == ImageRecord.id)
+                          .where(ImageOwner.tenant == tenant, ImageRecord.id == sha256))
+
+
+def store_image(session: Session, store: ObjectStore, data: bytes, settings: Settings,
+                tenant: str = DEFAULT_TENANT) -> ImageRecord:
+    """Validate and store an image once (content-addressed), owned by `tenant` from then on; returns its row.
+
+    Only the tenant's own images take the short path. One that another tenant stored goes the whole way
+    (checked, written again: the same bytes under the same key), so neither the answer nor its timing tells
+    a tenant that somebody else sent these bytes."""
     if len(data) > settings.max_image_bytes:
         raise SubmissionError(
             f"image is {len(data)} bytes; the limit is {settings.max_image_bytes}", 413, "image_too_large"
         )
     sha256 = hashlib.sha256(data).hexdigest()
-    existing = session.get(ImageRecord, sha256)
+    existing = owned_image(session, tenant, sha256)
     if existing is not None:
         return existing
     try:
@@ -69,32 +80,36 @@ def store_image(session: Session, store: ObjectStore, data: bytes, settings: Set
     values = {"id": sha256, "format": info.format, "width": info.width, "height": info.height,
               "size_bytes": info.size_bytes, "created_at": utcnow()}
     # INSERT .. ON CONFLICT DO NOTHING: one round trip, where a savepoint around an ORM flush took three.
-    if insert_ignoring_conflicts(session, ImageRecord, [values], ["id"], returning=ImageRecord.id):
+    written = insert_ignoring_conflicts(session, ImageRecord, [values], ["id"], returning=ImageRecord.id)
+    insert_ignoring_conflicts(session, ImageOwner, [{"tenant": tenant, "image_id": sha256,
+                                                     "created_at": values["created_at"]}], ["tenant", "image_id"])
+    if written:
         return ImageRecord(**values)
-    # Another request stored the same image a moment ago.
+    # Another request (this tenant's or another's) stored the same image a moment ago, or long ago.
     return session.get(ImageRecord, sha256, populate_existing=True)  # type: ignore[return-value]
 
 
 class KnownImages:
-    """Image ids this process has seen in SQL. Image rows are never deleted, so once seen an id stays valid,
-    and a job naming uploaded images needs no lookup (nor a session) after the first."""
+    """(tenant, image id) pairs this process has seen owned in SQL. Image and owner rows are never deleted,
+    so once seen a pair stays valid, and a job naming the tenant's uploaded images needs no lookup (nor a
+    session) after the first."""
 
     def __init__(self, capacity: int = 100_000) -> None:
         self.capacity = capacity
-        self._ids: OrderedDict[str, None] = OrderedDict()
+        self._ids: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._lock = threading.Lock()
 
-    def __contains__(self, sha256: object) -> bool:
+    def __contains__(self, key: object) -> bool:
         with self._lock:
-            if sha256 not in self._ids:
+            if key not in self._ids:
                 return False
-            self._ids.move_to_end(sha256)  # type: ignore[arg-type]
+            self._ids.move_to_end(key)  # type: ignore[arg-type]
             return True
 
-    def add(self, sha256: str) -> None:
+    def add(self, key: tuple[str, str]) -> None:
         with self._lock:
-            self._ids[sha256] = None
-            self._ids.move_to_end(sha256)
+            self._ids[key] = None
+            self._ids.move_to_end(key)
             while len(self._ids) > self.capacity:
                 self._ids.popitem(last=False)
 
@@ -102,26 +117,26 @@ class KnownImages:
 known_images = KnownImages()
 
 
-def _known_image_id(url: str) -> str | None:
+def _known_image_id(url: str, tenant: str) -> str | None:
     match = IMAGE_ID_RE.match(url)
-    return match.group(1) if match and match.group(1) in known_images else None
+    return match.group(1) if match and (tenant, match.group(1)) in known_images else None
 
 
-def _resolve_image(url: str, session: Session, store: ObjectStore, settings: Settings) -> str:
+def _resolve_image(url: str, session: Session, store: ObjectStore, settings: Settings, tenant: str) -> str:
     match = IMAGE_ID_RE.match(url)
     if match:
         sha256 = match.group(1)
-        if session.get(ImageRecord, sha256) is None:
+        if owned_image(session, tenant, sha256) is None:
             raise SubmissionError(f"unknown image id {url!r}: upload it with POST /v1/images first", 400,
                                   "unknown_image")
-        known_images.add(sha256)  # a committed row: this read saw it
+        known_images.add((tenant, sha256))  # committed rows: this read saw them
         return sha256
     if url.startswith("data:"):
         try:
             data = parse_data_url(url)
         except ImageError as exc:
             raise SubmissionError(str(exc), 400, "invalid_image") from None
-        return store_image(session, store, data, settings).id
+        return store_image(session, store, data, settings, tenant).id
     if url[:8].lower().startswith(("http://", "https://")):
         if not settings.image_urls_enabled:
             raise SubmissionError("remote image URLs are not enabled on this server; send a data: URL or an "
@@ -130,24 +145,25 @@ def _resolve_image(url: str, session: Session, store: ObjectStore, settings: Set
             data = fetcher_for(settings).fetch(url)
         except ImageFetchError as exc:
             raise SubmissionError(str(exc), 400, exc.code) from None
-        return store_image(session, store, data, settings).id
+        return store_image(session, store, data, settings, tenant).id
     raise SubmissionError("image_url.url must be a data: URL or an uploaded image id (img_<sha256>)", 400,
                           "invalid_image")
 
 
-def needs_session(req: ChatCompletionRequest) -> bool:
-    """Whether normalising `req` has images to look up or store (not only ids already known here)."""
-    return any(isinstance(part, ImagePart) and _known_image_id(part.image_url.url) is None
+def needs_session(req: ChatCompletionRequest, tenant: str = DEFAULT_TENANT) -> bool:
+    """Whether normalising `req` has images to look up or store (not only the tenant's ids known here)."""
+    return any(isinstance(part, ImagePart) and _known_image_id(part.image_url.url, tenant) is None
                for m in req.messages if not isinstance(m.content, str) for part in m.content)
 
 
 def normalize_request(
     req: ChatCompletionRequest, session: Session | None, store: ObjectStore, settings: Settings,
-    images: ImageCache | None = None,
+    images: ImageCache | None = None, tenant: str = DEFAULT_TENANT,
 ) -> dict[str, Any]:
-    """The job's stored request: messages with images replaced by content hashes, and sampling. With
-    `images` (one ingestion run's cache), an image reference met before is not resolved again. Only a
-    request with images to resolve needs a `session` (see needs_session)."""
+    """The job's stored request: messages with images replaced by content hashes, and sampling. Images named
+    by id must be the tenant's own. With `images` (one ingestion run's cache, so one tenant's), an image
+    reference met before is not resolved again. Only a request with images to resolve needs a `session`
+    (see needs_session)."""
     messages: list[dict[str, Any]] = []
     num_images = 0
     for message in req.messages:
@@ -164,16 +180,17 @@ def normalize_request(
                     raise SubmissionError(f"a job may carry at most {settings.max_images_per_job} images",
                                           400, "too_many_images")
                 url = part.image_url.url
-                known = _known_image_id(url)
+                known = _known_image_id(url, tenant)
                 if known is not None:
                     parts.append({"type": "image", "image_id": known})
                     continue
                 if session is None:
                     raise ValueError("a request with images to resolve is normalised in a session")
                 if images is None:
-                    image_id = _resolve_image(url, session, store, settings)
+                    image_id = _resolve_image(url, session, store, settings, tenant)
                 else:
-                    image_id = images.resolve(url, lambda u=url: _resolve_image(u, session, store, settings))
+                    image_id = images.resolve(url, lambda u=url: _resolve_image(u, session, store, settings,
+                                                                                tenant))
                 parts.append({"type": "image", "image_id": image_id})
         messages.append({"role": message.role, "content": parts})
     max_tokens = req.max_completion_tokens or req.max_tokens or 256
@@ -211,7 +228,8 @@ def job_fields(
     """common.jobs.new_job's arguments for `req`, checked and normalised (see normalize_request)."""
     if isinstance(req, JobCreate):
         priority, metadata = req.priority, req.metadata
-    return {"model": resolve_model(req.model, settings), "request": normalize_request(req, session, store, settings),
+    return {"model": resolve_model(req.model, settings),
+            "request": normalize_request(req, session, store, settings, tenant=tenant),
             "priority": priority, "max_attempts": settings.max_attempts, "metadata": metadata,
             "batch_id": batch_id, "custom_id": custom_id, "tenant": tenant, "dispatched": dispatched}
 

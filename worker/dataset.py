@@ -60,9 +60,9 @@ def _take(members: Iterator[Member], max_items: int, max_bytes: int) -> list[Mem
 
 
 def index_archive(batch_id: str, images_file_id: str, db: Database, store: ObjectStore,
-                  settings: Settings) -> str | None:
-    """Store and index the batch's image archive; None when done (or the batch left validating), else why
-    the batch must fail."""
+                  settings: Settings, tenant: str) -> str | None:
+    """Store and index the batch's image archive, its images owned by the batch's `tenant`; None when done
+    (or the batch left validating), else why the batch must fail."""
     with db.session() as session:
         record = session.get(FileRecord, images_file_id)
     if record is None:
@@ -84,7 +84,7 @@ def index_archive(batch_id: str, images_file_id: str, db: Database, store: Objec
                         error = data
                     else:
                         try:
-                            image_id = store_image(session, store, data, settings).id
+                            image_id = store_image(session, store, data, settings, tenant).id
                         except SubmissionError as exc:
                             error = str(exc)
                     rows.append({"batch_id": batch_id, "path_hash": _path_hash(path), "path": path,

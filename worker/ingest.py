@@ -103,7 +103,7 @@ def ingest_batch(batch_id: str, deps: IngestDeps) -> str:
     if key is None:
         return _fail(deps, batch_id, "file_not_found", f"input file {input_file_id!r} no longer exists")
     if images_file_id is not None and not images_indexed:
-        problem = index_archive(batch_id, images_file_id, deps.db, deps.store, deps.settings)
+        problem = index_archive(batch_id, images_file_id, deps.db, deps.store, deps.settings, run.tenant)
         if problem is not None:
             return _fail(deps, batch_id, "invalid_archive", problem)
     with deps.db.session() as session:
@@ -209,7 +209,8 @@ def _accept(
         return missing
     try:
         resolve_model(None if deps.any_model else req.model, run.model_settings)
-        return custom_id, normalize_request(req, session, deps.store, deps.settings, run.images)
+        return custom_id, normalize_request(req, session, deps.store, deps.settings, run.images,
+                                              tenant=run.tenant)
     except SubmissionError as exc:
         return LineError(number, custom_id, exc.code, f"line {number}: {exc}")
 

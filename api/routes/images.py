@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from fastapi import APIRouter, File, HTTPException, UploadFile
 
+from api.auth import TenantDep
 from api.deps import SessionDep, SettingsDep, StorageDep
 from api.errors import error_responses
 from common.models import ImageRecord
 from common.schemas import ImageView
-from common.submission import IMAGE_ID_RE, image_public_id, store_image
+from common.submission import IMAGE_ID_RE, image_public_id, owned_image, store_image
 
 router = APIRouter(prefix="/v1/images", tags=["images"])
 
@@ -20,18 +21,19 @@ def image_view(record: ImageRecord) -> ImageView:
 
 @router.post("", status_code=201, response_model=ImageView, responses=error_responses(400, 413))
 async def upload_image(
-    session: SessionDep, store: StorageDep, settings: SettingsDep, file: UploadFile = File(...)
+    session: SessionDep, store: StorageDep, settings: SettingsDep, tenant: TenantDep, file: UploadFile = File(...)
 ) -> ImageView:
     data = await file.read(settings.max_image_bytes + 1)
     if not data:
         raise HTTPException(400, "the uploaded file is empty")
-    return image_view(store_image(session, store, data, settings))
+    return image_view(store_image(session, store, data, settings, tenant))
 
 
 @router.get("/{image_id}", response_model=ImageView, responses=error_responses(404))
-def get_image(image_id: str, session: SessionDep) -> ImageView:
+def get_image(image_id: str, session: SessionDep, tenant: TenantDep) -> ImageView:
+    """The tenant's own images only: another tenant's is not found, as one never stored."""
     match = IMAGE_ID_RE.match(image_id)
-    record = session.get(ImageRecord, match.group(1)) if match else None
+    record = owned_image(session, tenant, match.group(1)) if match else None
     if record is None:
         raise HTTPException(404, f"image {image_id!r} not found")
     return image_view(record)

@@ -100,7 +100,7 @@ def _parse_json(raw: bytes) -> JobCreate:
     return _validate(payload)
 
 
-async def _from_form(request: Request, state: AppState) -> JobCreate:
+async def _from_form(request: Request, state: AppState, tenant: str) -> JobCreate:
     form = await request.form(max_files=state.settings.max_images_per_job + 1, max_fields=64)
     prompt = form.get("prompt")
     if not isinstance(prompt, str) or not prompt.strip():
@@ -117,7 +117,7 @@ async def _from_form(request: Request, state: AppState) -> JobCreate:
         data = await upload.read(state.settings.max_image_bytes + 1)
         if not data:
             raise SubmissionError(f"uploaded image {upload.filename!r} is empty")
-        record = await run_in_threadpool(_store, state, data)
+        record = await run_in_threadpool(_store, state, data, tenant)
         image_ids.append(image_public_id(record))
     content: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": i}} for i in image_ids]
     content.append({"type": "text", "text": prompt})
@@ -143,9 +143,9 @@ async def _from_form(request: Request, state: AppState) -> JobCreate:
     return _validate(payload)
 
 
-def _store(state: AppState, data: bytes) -> str:
+def _store(state: AppState, data: bytes, tenant: str) -> str:
     with state.db.session() as session:
-        return store_image(session, state.store, data, state.settings).id
+        return store_image(session, state.store, data, state.settings, tenant).id
 
 
 def _create(state: AppState, tenant: str, req: JobCreate, idempotency_key: str | None) -> tuple[str, bool]:
@@ -190,7 +190,7 @@ async def create_job(
         large = len(raw) > _INLINE_BODY_BYTES
         req = await run_in_threadpool(_parse_json, raw) if large else _parse_json(raw)
     elif content_type in ("multipart/form-data", "application/x-www-form-urlencoded"):
-        req = await _from_form(request, state)
+        req = await _from_form(request, state, tenant)
     else:
         raise HTTPException(415, f"unsupported content type {content_type or '(none)'!r}: send application/json "
                                  "(a chat-completions body) or multipart/form-data (prompt + image files)")
@@ -199,7 +199,7 @@ async def create_job(
         return Response(body, status_code=202 if created else 200, media_type="application/json")
     # Jobs without images to resolve are checked right here; others look them up (or store them) in a
     # session of their own.
-    if needs_session(req):
+    if needs_session(req, tenant):
         fields = await run_in_threadpool(_fields_with_images, state, tenant, req)
     elif large:
         fields = await run_in_threadpool(job_fields, None, state.store, state.settings, req, tenant=tenant)

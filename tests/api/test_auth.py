@@ -5,6 +5,7 @@ Another tenant's job, file or batch answers 404 exactly like one that does not e
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -16,7 +17,7 @@ from openai import OpenAI
 from pydantic import ValidationError
 
 from common.settings import Settings
-from tests.api.test_jobs_api import MODEL, chat_body
+from tests.api.test_jobs_api import MODEL, chat_body, png_bytes
 from tests.conftest import ApiServer, settings_from_env
 
 
@@ -81,6 +82,39 @@ def test_tenants_see_only_their_own(server: ApiServer) -> None:
         assert acme.get(f"/v1/batches/{batch_id}").json()["id"] == batch_id
         # The job is still acme's to cancel.
         assert acme.post(f"/v1/jobs/{job_id}/cancel").json()["status"] == "cancelled"
+
+
+def test_a_tenant_sees_and_names_only_images_it_stored(server: ApiServer) -> None:
+    """Images are stored once for everyone, but another tenant's image is not found, by lookup or in a job,
+    exactly like one never uploaded: holding an image's bytes does not tell whether someone else sent it."""
+    secret = png_bytes((201, 13, 77), (7, 9))
+    never = png_bytes((1, 2, 3), (7, 9))
+    with server.client() as acme, server.client(api_key=server.make_key("initech")) as initech:
+        uploaded = acme.post("/v1/images", files={"file": ("s.png", secret, "image/png")})
+        assert uploaded.status_code == 201, uploaded.text
+        image_id = uploaded.json()["id"]
+        never_id = f"img_{hashlib.sha256(never).hexdigest()}"
+        assert acme.get(f"/v1/images/{image_id}").status_code == 200
+        for probe in (image_id, never_id):
+            looked_up = initech.get(f"/v1/images/{probe}")
+            assert looked_up.status_code == 404
+            assert looked_up.json()["error"]["message"] == f"image {probe!r} not found"
+            named = initech.post("/v1/jobs", json=chat_body(probe))
+            assert named.status_code == 400 and named.json()["error"]["code"] == "unknown_image", named.text
+        # acme's job naming it by id is accepted (and, once known to the API, by its id alone).
+        for _ in range(2):
+            assert acme.post("/v1/jobs", json=chat_body(image_id)).status_code == 202
+        # Sending the bytes themselves makes them initech's own too; acme keeps its.
+        again = initech.post("/v1/images", files={"file": ("mine.png", secret, "image/png")})
+        assert again.status_code == 201 and again.json()["id"] == image_id
+        assert initech.get(f"/v1/images/{image_id}").status_code == 200
+        assert initech.post("/v1/jobs", json=chat_body(image_id)).status_code == 202
+        assert acme.get(f"/v1/images/{image_id}").status_code == 200
+        # A job's multipart image is the job's tenant's too.
+        form = initech.post("/v1/jobs", data={"prompt": "what?"}, files={"image": ("n.png", never, "image/png")})
+        assert form.status_code == 202, form.text
+        assert initech.get(f"/v1/images/{never_id}").status_code == 200
+        assert acme.get(f"/v1/images/{never_id}").status_code == 404
 
 
 def test_idempotency_keys_belong_to_their_tenant(server: ApiServer) -> None:

@@ -7,9 +7,9 @@ from common.submission import KnownImages
 
 def test_known_images_keep_the_most_recently_used() -> None:
     known = KnownImages(capacity=2)
-    known.add("a")
-    known.add("b")
-    assert "a" in known  # now the most recent
-    known.add("c")
-    assert "a" in known and "c" in known and "b" not in known
-    assert "never" not in known
+    known.add(("t", "a"))
+    known.add(("t", "b"))
+    assert ("t", "a") in known  # now the most recent
+    known.add(("t", "c"))
+    assert ("t", "a") in known and ("t", "c") in known and ("t", "b") not in known
+    assert ("t", "never") not in known and ("other", "a") not in known

@@ -21,6 +21,7 @@ from common.files import add_file, file_key
 from common.models import Batch, BatchLineError, new_file_id
 from common.settings import Settings
 from common.storage import ObjectStore, make_store
+from common.submission import owned_image
 from tests.api.test_jobs_api import png_bytes
 from tests.conftest import settings_from_env
 from tests.worker.test_ingest import MODEL, Recorder, batch_jobs, get_batch, line_errors
@@ -124,6 +125,9 @@ def test_zip_with_a_top_folder_and_jsonl_paths(settings: Settings, db: Database,
     batch = get_batch(db, batch_id)
     assert batch.images_root == "ds" and batch.images_indexed_at is not None
     assert store.exists(f"images/{sha(GREEN)}")
+    with db.session() as session:  # the archive's images are the batch tenant's, and no one else's
+        assert owned_image(session, "default", sha(GREEN)) is not None
+        assert owned_image(session, "someone-else", sha(GREEN)) is None
 
 
 def test_tar_gz_with_a_csv_manifest(settings: Settings, db: Database, store: ObjectStore) -> None:

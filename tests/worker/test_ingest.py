@@ -24,6 +24,7 @@ from common.migrate import upgrade
 from common.models import Batch, BatchLineError, FileRecord, Job, new_file_id
 from common.settings import Settings
 from common.storage import ObjectStore, make_store, result_key
+from common.submission import owned_image, store_image
 from common.views import chat_completion
 from tests.api.test_jobs_api import data_url, png_bytes
 from tests.conftest import settings_from_env
@@ -403,6 +404,24 @@ def test_a_batch_whose_jobs_all_ended_completes_past_its_window(settings: Settin
     batch = get_batch(db, batch_id)
     assert batch.expired_at is None and batch.completed_at is not None and batch.error_file_id is None
     assert len(_read_jsonl(store, db, batch.output_file_id or "")) == 3
+
+
+def test_a_batch_may_name_only_its_own_tenants_images(settings: Settings, db: Database, store: ObjectStore
+                                                    ) -> None:
+    """Another tenant's image id is unknown to a batch line, as one never uploaded; the same bytes sent as a
+    data: URL are the batch tenant's from then on."""
+    secret = png_bytes((7, 77, 177), (6, 5))
+    with db.session() as session:
+        theirs = store_image(session, store, secret, settings, "someone-else").id
+    by_id = json.dumps({"custom_id": "by-id", "body": {"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": f"img_{theirs}"}}, {"type": "text", "text": "hi"}]}]}})
+    batch_id = make_batch(db, store, "\n".join([by_id, line("by-bytes", image=secret)]).encode())
+    ingest_batch(batch_id, IngestDeps(settings, db, store, Recorder()))
+    assert line_errors(db, batch_id) == [(1, "by-id", "unknown_image")]
+    [job] = batch_jobs(db, batch_id)
+    assert job.custom_id == "by-bytes" and job.request["messages"][0]["content"][0]["image_id"] == theirs
+    with db.session() as session:
+        assert owned_image(session, "default", theirs) is not None
 
 
 def test_ingest_and_finalize_on_sqlite_and_a_local_folder(tmp_path: Path) -> None:

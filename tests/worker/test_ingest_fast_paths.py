@@ -7,15 +7,15 @@ import hashlib
 from pathlib import Path
 
 import pytest
-from sqlalchemy import select, text
+from sqlalchemy import func, select, text
 
 from common.db import Database, get_database
 from common.image_cache import ImageCache
 from common.migrate import upgrade
-from common.models import ImageRecord, Job
+from common.models import ImageOwner, ImageRecord, Job
 from common.settings import Settings
 from common.storage import ObjectStore, make_store
-from common.submission import SubmissionError, store_image
+from common.submission import SubmissionError, owned_image, store_image
 from tests.api.test_jobs_api import png_bytes
 from tests.conftest import settings_from_env
 from tests.worker.test_ingest import MODEL, Recorder, batch_jobs, get_batch, line, line_errors, make_batch
@@ -94,24 +94,21 @@ def test_bulk_rows_read_back_as_the_orm_writes_them(backend: tuple[Settings, Dat
         assert session.scalar(select(Job.status).where(Job.id == job.id)) == "queued"
 
 
-def test_store_image_twice_and_racing_returns_the_row(backend: tuple[Settings, Database, ObjectStore]) -> None:
+def test_store_image_twice_and_by_two_tenants_returns_the_row(backend: tuple[Settings, Database, ObjectStore]
+                                                              ) -> None:
     settings, db, store = backend
     data = png_bytes((3, 4, 5), (5, 6))
     with db.session() as session:
-        first = store_image(session, store, data, settings)
+        first = store_image(session, store, data, settings, "t-first")
     with db.session() as session:
-        again = store_image(session, store, data, settings)
+        again = store_image(session, store, data, settings, "t-first")
     assert (first.id, first.width, first.height, first.format) == (again.id, 5, 6, "PNG")
     with db.session() as session:
-        # Another writer stored it between our lookup and our INSERT: the INSERT does nothing, the row is read.
-        real_get, misses = session.get, []
-
-        def get_missing_once(*args, **kwargs):  # type: ignore[no-untyped-def]
-            if not misses:
-                misses.append(1)
-                return None
-            return real_get(*args, **kwargs)
-
-        session.get = get_missing_once  # type: ignore[method-assign]
-        raced = store_image(session, store, data, settings)
-    assert misses and (raced.id, raced.width, raced.size_bytes) == (first.id, 5, len(data))
+        assert owned_image(session, "t-second", first.id) is None
+        # The image row exists: the INSERT does nothing, the row is read, and the second tenant owns it too.
+        other = store_image(session, store, data, settings, "t-second")
+    assert (other.id, other.width, other.size_bytes) == (first.id, 5, len(data))
+    with db.session() as session:
+        assert session.scalar(select(func.count()).select_from(ImageRecord).where(ImageRecord.id == first.id)) == 1
+        assert {o.tenant for o in session.scalars(select(ImageOwner).where(ImageOwner.image_id == first.id))} == {
+            "t-first", "t-second"}
