@@ -20,6 +20,7 @@ from typing import Any, Protocol
 from botocore.exceptions import ClientError
 from sqlalchemy.orm import Session
 
+from common.db import Database
 from common.models import FileRecord, utcnow
 from common.storage import LocalObjectStore, ObjectNotFound, ObjectStore, S3ObjectStore, tenant_prefix
 
@@ -251,6 +252,16 @@ def add_file(session: Session, *, file_id: str, key: str, size: int, filename: s
     session.add(record)
     session.flush()
     return record
+
+
+def discard_files(db: Database, store: ObjectStore, tenant: str, file_ids: list[str]) -> None:
+    """Delete files (rows, then objects) made for a request that then failed: nothing refers to them yet."""
+    with db.session() as session:
+        for file_id in file_ids:
+            if (record := session.get(FileRecord, file_id)) is not None:
+                session.delete(record)
+    for file_id in file_ids:
+        store.delete(file_key(file_id, tenant))
 
 
 def _ts(value: datetime | None) -> int | None:

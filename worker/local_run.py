@@ -26,7 +26,7 @@ from common.batch_cli import images_archive
 from common.batch_input import LineError, iter_lines, job_line, refused_line
 from common.db import Database, get_database
 from common.dispatch import top_up
-from common.files import add_file, file_key, open_reader, open_writer
+from common.files import add_file, discard_files, file_key, open_reader, open_writer
 from common.migrate import upgrade
 from common.models import (
     BATCH_FINAL_STATUSES,
@@ -91,13 +91,6 @@ def _store_file(db: Database, store: ObjectStore, path: Path, purpose: str = "ba
     return file_id, digest.hexdigest()
 
 
-def _discard_file(db: Database, store: ObjectStore, file_id: str) -> None:
-    with db.session() as session:
-        if (record := session.get(FileRecord, file_id)) is not None:
-            session.delete(record)
-    store.delete(file_key(file_id, DEFAULT_TENANT))
-
-
 def check_output_path(input_path: Path, output_path: Path) -> None:
     """Refuse an output path that cannot be written before any work is done (ValueError), not after it."""
     if output_path.exists() and output_path.is_dir():
@@ -132,9 +125,7 @@ def _start_batch(db: Database, store: ObjectStore, settings: Settings, input_pat
             images_id, images_sha = _store_file(db, store, archive)
     fingerprint = {"source": "vlmq run", "input_sha256": input_sha, "images_sha256": images_sha}
     if (earlier := _unfinished_batch(db, settings, fingerprint)) is not None:
-        for file_id in (input_id, images_id):
-            if file_id is not None:
-                _discard_file(db, store, file_id)
+        discard_files(db, store, DEFAULT_TENANT, [f for f in (input_id, images_id) if f is not None])
         console.print(f"resuming {earlier}, which an interrupted run of this file left; its finished requests "
                       "are kept")
         return earlier, True

@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from api.auth import TenantDep
-from api.deps import AppState, StateDep
+from api.deps import StateDep
 from api.errors import error_responses
 from api.limits import open_jobs_guard
 from api.routes.batches import BatchCreate, create
@@ -22,8 +22,8 @@ from api.routes.files import add_uploaded, content_type
 from api.upload import receive_upload
 from common import storable
 from common.batch_input import CHAT_URL
-from common.files import file_key
-from common.models import FileRecord, new_file_id
+from common.files import discard_files, file_key
+from common.models import new_file_id
 from common.submission import SubmissionError
 
 router = APIRouter(prefix="/v1/datasets", tags=["batches"])
@@ -47,16 +47,6 @@ _DOC = {
 
 
 _FIELDS = ("completion_window", "metadata")
-
-
-def _discard(state: AppState, tenant: str, file_ids: list[str]) -> None:
-    with state.db.session() as session:
-        for file_id in file_ids:
-            record = session.get(FileRecord, file_id)
-            if record is not None:
-                session.delete(record)
-    for file_id in file_ids:
-        state.store.delete(file_key(file_id, tenant))
 
 
 def _body(fields: dict[str, str], manifest_id: str, images_id: str | None) -> BatchCreate:
@@ -88,6 +78,6 @@ async def create_dataset_batch(request: Request, state: StateDep, tenant: Tenant
             await run_in_threadpool(add_uploaded, state, tenant, ids[name], uploaded)
         view: dict[str, Any] = await run_in_threadpool(create, state, tenant, body)
     except BaseException:
-        await run_in_threadpool(_discard, state, tenant, received)
+        await run_in_threadpool(discard_files, state.db, state.store, tenant, received)
         raise
     return JSONResponse(view)

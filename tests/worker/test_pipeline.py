@@ -67,7 +67,7 @@ def _run(local: tuple[Settings, Database, ObjectStore], during: Callable[[str], 
 
 
 def test_a_job_cancelled_while_it_ran_leaves_no_result_object(local: tuple[Settings, Database, ObjectStore]) -> None:
-    settings, db, store = local
+    _, db, store = local
 
     def cancel(job_id: str) -> None:
         with db.session() as session:
@@ -80,7 +80,7 @@ def test_a_job_cancelled_while_it_ran_leaves_no_result_object(local: tuple[Setti
 
 def test_a_result_another_worker_now_writes_is_kept(local: tuple[Settings, Database, ObjectStore]) -> None:
     """The lease passed to another worker meanwhile: it writes (or wrote) the same key, so it stays."""
-    settings, db, store = local
+    _, db, store = local
     taken: dict[str, Any] = {}
 
     def take_over(job_id: str) -> None:
