@@ -15,7 +15,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from worker.generation import GenerationRequest, GenerationResult
+from worker.generation import GenerationRequest, GenerationResult, InputError
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ class BatchingGenerator:
             results = self.backend.generate([p for p, _ in batch])
         except Exception as exc:
             if len(batch) == 1:
-                batch[0][1].set_exception(exc)
+                batch[0][1].set_exception(_as_refusal(exc))
                 return
             # One bad request must not fail its batch-mates: isolate it by running each alone.
             log.warning("batch of %d failed (%s); retrying one by one", len(batch), exc)
@@ -123,3 +123,15 @@ class BatchingGenerator:
             return
         for (_, future), result in zip(batch, results, strict=True):
             future.set_result(result)
+
+
+def _as_refusal(exc: Exception) -> Exception:
+    """What one request alone failed with. A ValueError there is the model's code refusing this input (image
+    features that do not match its placeholders, more images than it takes, ...): it would fail the same way
+    on every attempt, each later one alone in its worker, so it fails the job now. Anything else (a RuntimeError
+    such as running out of memory, an OSError) may pass, and is retried."""
+    if isinstance(exc, ValueError) and not isinstance(exc, InputError):
+        refusal = InputError(f"the model cannot run this request: {type(exc).__name__}: {exc}")
+        refusal.__cause__ = exc
+        return refusal
+    return exc
