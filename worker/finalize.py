@@ -17,12 +17,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import select, update
+from sqlalchemy.orm import Session
 
 from common import batches, jobs
 from common.batch_input import LineError, job_line, refused_line
 from common.db import Database
 from common.files import ObjectWriter, add_file, open_writer
-from common.models import Batch, BatchLineError, BatchStatus, Job, JobStatus, new_file_id
+from common.models import Batch, BatchLineError, BatchStatus, FileRecord, Job, JobStatus, new_file_id
 from common.storage import ObjectStore, tenant_prefix
 
 log = logging.getLogger(__name__)
@@ -126,10 +127,7 @@ def finalize_batch(batch_id: str, db: Database, store: ObjectStore) -> str:
             for kind, key, size in (("output", output_key(batch_id, tenant), output_size),
                                     ("error", error_key(batch_id, tenant), error_size)):
                 if size is not None:
-                    record = add_file(session, file_id=new_file_id(), key=key, size=size,
-                                      filename=f"{batch_id}_{kind}.jsonl", purpose="batch_output",
-                                      tenant=tenant)
-                    values[f"{kind}_file_id"] = record.id
+                    values[f"{kind}_file_id"] = _add_output_file(session, batch_id, tenant, kind, key, size).id
             if not batches.finish(session, batch_id, final, **values):
                 raise _Lost()
     except _Lost:
@@ -152,13 +150,18 @@ def _attach_refusals(batch_id: str, tenant: str, db: Database, store: ObjectStor
     if size is None:
         return
     with db.session() as session:
-        record = add_file(session, file_id=new_file_id(), key=error_key(batch_id, tenant), size=size,
-                          filename=f"{batch_id}_error.jsonl", purpose="batch_output", tenant=tenant)
+        record = _add_output_file(session, batch_id, tenant, "error", error_key(batch_id, tenant), size)
         attached = session.execute(
             update(Batch).where(Batch.id == batch_id, Batch.error_file_id.is_(None))
             .values(error_file_id=record.id).execution_options(synchronize_session=False)).rowcount
         if not attached:  # a concurrent finalizer attached its record of the same object first
             session.delete(record)
+
+
+def _add_output_file(session: Session, batch_id: str, tenant: str, kind: str, key: str, size: int) -> FileRecord:
+    """The file record of a batch's output or error JSONL, already written under `key`."""
+    return add_file(session, file_id=new_file_id(), key=key, size=size, filename=f"{batch_id}_{kind}.jsonl",
+                    purpose="batch_output", tenant=tenant)
 
 
 def _write_lines(batch_id: str, db: Database, output: _JsonlObject, errors: _JsonlObject,
