@@ -44,18 +44,28 @@ def image_public_id(sha256: str) -> str:
 
 
 def owned_image(session: Session, tenant: str, sha256: str) -> ImageRecord | None:
-    """The image's row if `tenant` stored it; None for an image stored only by others, as for none at all."""
-    return session.scalar(select(ImageRecord).join(ImageOwner, ImageOwner.image_id == ImageRecord.id)
-                          .where(ImageOwner.tenant == tenant, ImageRecord.id == sha256))
+    """The image as `tenant` sees it, if it stored it; None for an image stored only by others, as for none at
+    all. Its `created_at` is when this tenant first stored it: the image row's own would tell when anyone did."""
+    row = session.execute(
+        select(ImageRecord.format, ImageRecord.width, ImageRecord.height, ImageRecord.size_bytes,
+               ImageOwner.created_at)
+        .join(ImageOwner, ImageOwner.image_id == ImageRecord.id)
+        .where(ImageOwner.tenant == tenant, ImageRecord.id == sha256)).one_or_none()
+    if row is None:
+        return None
+    return ImageRecord(id=sha256, format=row.format, width=row.width, height=row.height,
+                       size_bytes=row.size_bytes, created_at=row.created_at)
 
 
 def store_image(session: Session, store: ObjectStore, data: bytes, settings: Settings,
                 tenant: str = DEFAULT_TENANT) -> ImageRecord:
-    """Validate and store an image once (content-addressed), owned by `tenant` from then on; returns its row.
+    """Validate and store an image once (content-addressed), owned by `tenant` from then on; returns it as
+    `tenant` sees it (owned_image).
 
     Only the tenant's own images take the short path. One that another tenant stored goes the whole way
-    (checked, written again: the same bytes under the same key), so neither the answer nor its timing tells
-    a tenant that somebody else sent these bytes."""
+    (checked, written again: the same bytes under the same key) and is answered from what this request
+    computed, as a new image is, so neither the answer nor its timing tells a tenant that somebody else sent
+    these bytes."""
     if len(data) > settings.max_image_bytes:
         raise SubmissionError(
             f"image is {len(data)} bytes; the limit is {settings.max_image_bytes}", 413, "image_too_large"
@@ -79,14 +89,14 @@ def store_image(session: Session, store: ObjectStore, data: bytes, settings: Set
     store.put(image_key(sha256), data, content_type=f"image/{info.format.lower()}")
     values = {"id": sha256, "format": info.format, "width": info.width, "height": info.height,
               "size_bytes": info.size_bytes, "created_at": utcnow()}
-    # INSERT .. ON CONFLICT DO NOTHING: one round trip, where a savepoint around an ORM flush took three.
-    written = insert_ignoring_conflicts(session, ImageRecord, [values], ["id"], returning=ImageRecord.id)
-    insert_ignoring_conflicts(session, ImageOwner, [{"tenant": tenant, "image_id": sha256,
-                                                     "created_at": values["created_at"]}], ["tenant", "image_id"])
-    if written:
+    # INSERT .. ON CONFLICT DO NOTHING: one round trip, where a savepoint around an ORM flush took three. The
+    # image row may be another tenant's already: the same bytes, so the same values.
+    insert_ignoring_conflicts(session, ImageRecord, [values], ["id"])
+    owner = {"tenant": tenant, "image_id": sha256, "created_at": values["created_at"]}
+    if insert_ignoring_conflicts(session, ImageOwner, [owner], ["tenant", "image_id"], returning=ImageOwner.tenant):
         return ImageRecord(**values)
-    # Another request (this tenant's or another's) stored the same image a moment ago, or long ago.
-    return session.get(ImageRecord, sha256, populate_existing=True)  # type: ignore[return-value]
+    # Another request of this tenant's stored it a moment ago.
+    return owned_image(session, tenant, sha256)  # type: ignore[return-value]
 
 
 class KnownImages:

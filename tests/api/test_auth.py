@@ -9,6 +9,7 @@ import hashlib
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
 
 import httpx
 import openai
@@ -107,9 +108,12 @@ def test_a_tenant_sees_and_names_only_images_it_stored(server: ApiServer) -> Non
         # Sending the bytes themselves makes them initech's own too; acme keeps its.
         again = initech.post("/v1/images", files={"file": ("mine.png", secret, "image/png")})
         assert again.status_code == 201 and again.json()["id"] == image_id
-        assert initech.get(f"/v1/images/{image_id}").status_code == 200
+        # Its own time of upload: acme's would say that someone sent these bytes before.
+        uploaded_at = [datetime.fromisoformat(r.json()["created_at"]) for r in (uploaded, again)]
+        assert uploaded_at[1] > uploaded_at[0]
+        assert initech.get(f"/v1/images/{image_id}").json() == again.json()
         assert initech.post("/v1/jobs", json=chat_body(image_id)).status_code == 202
-        assert acme.get(f"/v1/images/{image_id}").status_code == 200
+        assert acme.get(f"/v1/images/{image_id}").json() == uploaded.json()
         # A job's multipart image is the job's tenant's too.
         form = initech.post("/v1/jobs", data={"prompt": "what?"}, files={"image": ("n.png", never, "image/png")})
         assert form.status_code == 202, form.text

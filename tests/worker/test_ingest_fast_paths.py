@@ -105,9 +105,10 @@ def test_store_image_twice_and_by_two_tenants_returns_the_row(backend: tuple[Set
     assert (first.id, first.width, first.height, first.format) == (again.id, 5, 6, "PNG")
     with db.session() as session:
         assert owned_image(session, "t-second", first.id) is None
-        # The image row exists: the INSERT does nothing, the row is read, and the second tenant owns it too.
+        # The image row exists: its INSERT does nothing, and the second tenant owns it too, from now on.
         other = store_image(session, store, data, settings, "t-second")
     assert (other.id, other.width, other.size_bytes) == (first.id, 5, len(data))
+    assert other.created_at > first.created_at
     with db.session() as session:
         assert session.scalar(select(func.count()).select_from(ImageRecord).where(ImageRecord.id == first.id)) == 1
         assert {o.tenant for o in session.scalars(select(ImageOwner).where(ImageOwner.image_id == first.id))} == {
