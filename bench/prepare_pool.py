@@ -73,7 +73,7 @@ def in_threads(settings: Settings, image_ids: list[str], threads: int) -> tuple[
     lock = threading.Lock()
 
     def one(i: int) -> None:
-        req = generation_request(f"job-{i}", request(image_ids[i]), 0, settings, store.get)
+        req = generation_request(f"job-{i}", request(image_ids[i]), 0, settings, store.get, "bench")
         with lock:
             prepare_input(front, family, req)
 
@@ -81,7 +81,7 @@ def in_threads(settings: Settings, image_ids: list[str], threads: int) -> tuple[
 
 
 def in_pool(pool: Any, image_ids: list[str], threads: int) -> tuple[float, float]:
-    return _timed(lambda i: pool.prepare(f"job-{i}", request(image_ids[i]), 0), len(image_ids), threads)
+    return _timed(lambda i: pool.prepare(f"job-{i}", request(image_ids[i]), 0, "bench"), len(image_ids), threads)
 
 
 def _timed(one: Any, jobs: int, threads: int) -> tuple[float, float]:

@@ -58,6 +58,10 @@ class GenerationRequest:
     images: list[Image.Image]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     priority: int = 0  # higher runs first
+    # Requests reuse each other's cached prompt blocks and image embeddings only under the same salt. The
+    # pipeline gives each job its tenant's: a hit makes a job faster, so shared caches would let one tenant
+    # confirm another's prompt or image by timing its own.
+    cache_salt: str = ""
 
 
 @dataclass

@@ -20,8 +20,9 @@ def has_images(request: dict[str, Any]) -> bool:
 
 
 def generation_request(job_id: str, request: dict[str, Any], priority: int, settings: Settings,
-                       fetch: Callable[[str], bytes]) -> GenerationRequest:
-    """`request`: the normalised chat request of common/submission.py; `fetch`: an object's bytes by key."""
+                       fetch: Callable[[str], bytes], tenant: str) -> GenerationRequest:
+    """`request`: the normalised chat request of common/submission.py; `fetch`: an object's bytes by key;
+    `tenant`: the job's, whose requests alone share cached prompt blocks and image embeddings."""
     images = []
     messages: list[dict[str, Any]] = []
     for message in request["messages"]:
@@ -40,4 +41,4 @@ def generation_request(job_id: str, request: dict[str, Any], priority: int, sett
     sampling = SamplingParams(max_tokens=s["max_tokens"], temperature=s["temperature"], top_p=s["top_p"],
                               top_k=s.get("top_k", 0), seed=s["seed"], stop=list(s["stop"]))
     return GenerationRequest(request_id=job_id, messages=messages, images=images, sampling=sampling,
-                             priority=priority)
+                             priority=priority, cache_salt=tenant)

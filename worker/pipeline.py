@@ -136,10 +136,11 @@ class JobPipeline:
         try:
             if self.prepare_pool is not None and has_images(job.request):
                 with self.clock.stage("prepare"):
-                    prepared = self.prepare_pool.prepare(job.id, job.request, job.priority)
+                    prepared = self.prepare_pool.prepare(job.id, job.request, job.priority, job.tenant)
             else:
                 with self.clock.stage("inputs"):
-                    request = generation_request(job.id, job.request, job.priority, self.settings, self._get)
+                    request = generation_request(job.id, job.request, job.priority, self.settings, self._get,
+                                                 job.tenant)
                 with self.clock.stage("prepare"):
                     prepared = self.generator.prepare(request)
             with self.clock.stage("engine"):

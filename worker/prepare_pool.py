@@ -77,9 +77,9 @@ def _fetch(key: str) -> bytes:
     return _store.get(key)
 
 
-def _prepare(job_id: str, request: dict[str, Any], priority: int) -> PreparedInput:
+def _prepare(job_id: str, request: dict[str, Any], priority: int, tenant: str) -> PreparedInput:
     assert _settings is not None
-    req = generation_request(job_id, request, priority, _settings, _fetch)
+    req = generation_request(job_id, request, priority, _settings, _fetch, tenant)
     return without_decoded_images(prepare_input(_front, _family, req))
 
 
@@ -101,12 +101,12 @@ class PreparePool:
             ready.result(START_TIMEOUT_SECONDS)
         return executor
 
-    def prepare(self, job_id: str, request: dict[str, Any], priority: int) -> PreparedInput:
+    def prepare(self, job_id: str, request: dict[str, Any], priority: int, tenant: str) -> PreparedInput:
         """Raises what the job thread would (InputError, ImageError, ObjectNotFound, ...), or BrokenProcessPool
         if a process died while the pool held the job."""
         executor = self._executor
         try:
-            return executor.submit(_prepare, job_id, request, priority).result()
+            return executor.submit(_prepare, job_id, request, priority, tenant).result()
         except BrokenProcessPool:
             self._replace(executor)
             raise

@@ -66,7 +66,7 @@ def _in_thread(settings: Settings, job_id: str, request: dict[str, Any], priorit
     front = load_model(settings.model, weights=False)
     store = LocalObjectStore(settings.storage_dir)  # type: ignore[arg-type]
     return prepare_input(front, get_family(front.model), generation_request(job_id, request, priority, settings,
-                                                                              store.get))
+                                                                              store.get, "acme"))
 
 
 def test_the_pool_prepares_exactly_what_the_jobs_thread_does(pool: PreparePool, settings: Settings,
@@ -77,7 +77,7 @@ def test_the_pool_prepares_exactly_what_the_jobs_thread_does(pool: PreparePool, 
     request = _request({"type": "image", "image_id": "red"}, {"type": "text", "text": "and this one?"},
                        {"type": "image", "image_id": "blue"}, system="Be brief.", seed=7)
 
-    got = pool.prepare("job-1", request, 3)
+    got = pool.prepare("job-1", request, 3, "acme")
     want = _in_thread(settings, "job-1", request, 3)
 
     assert got.prompt_token_ids == want.prompt_token_ids
@@ -86,7 +86,7 @@ def test_the_pool_prepares_exactly_what_the_jobs_thread_does(pool: PreparePool, 
     for mine, theirs in zip(got.image_inputs, want.image_inputs, strict=True):
         assert mine.keys() == theirs.keys()
         assert all(torch.equal(mine[key], theirs[key]) for key in mine)
-    assert got.request.request_id == "job-1" and got.request.priority == 3
+    assert got.request.request_id == "job-1" and got.request.priority == 3 and got.request.cache_salt == "acme"
     assert got.request.sampling == want.request.sampling
     assert got.request.messages == want.request.messages
     assert got.request.images == []  # the pixels travel in image_inputs, not as decoded images
@@ -98,21 +98,21 @@ def test_the_pool_refuses_what_the_jobs_thread_refuses(pool: PreparePool, settin
     store.put(image_key("cut"), _image((64, 64), (1, 2, 3), "PNG")[:-40])
     cut = _request({"type": "image", "image_id": "cut"}, {"type": "text", "text": "what is it"})
     with pytest.raises(ImageError) as in_pool:
-        pool.prepare("job-2", cut, 0)
+        pool.prepare("job-2", cut, 0, "acme")
     with pytest.raises(ImageError) as in_thread:
         _in_thread(settings, "job-2", cut, 0)
     assert str(in_pool.value) == str(in_thread.value) != ""
 
     missing = _request({"type": "image", "image_id": "never-stored"}, {"type": "text", "text": "hi"})
     with pytest.raises(ObjectNotFound) as gone:
-        pool.prepare("job-3", missing, 0)
+        pool.prepare("job-3", missing, 0, "acme")
     assert gone.value.args[0] == image_key("never-stored")
 
     # A user who types the placeholder shifts no image: the job is refused, from the pool as from the thread.
     store.put(image_key("ok"), _image((32, 32), (9, 9, 9), "PNG"))
     typed = _request({"type": "image", "image_id": "ok"}, {"type": "text", "text": "<image> and <image>"})
     with pytest.raises(InputError, match="placeholder"):
-        pool.prepare("job-4", typed, 0)
+        pool.prepare("job-4", typed, 0, "acme")
 
 
 def test_a_process_that_dies_fails_the_jobs_it_held_and_a_new_pool_takes_the_next(settings: Settings,
@@ -123,15 +123,15 @@ def test_a_process_that_dies_fails_the_jobs_it_held_and_a_new_pool_takes_the_nex
     before = set(multiprocessing.active_children())
     pool = PreparePool(settings, 1)
     try:
-        expected = pool.prepare("job-5", request, 0).prompt_token_ids
+        expected = pool.prepare("job-5", request, 0, "acme").prompt_token_ids
         started = [p for p in multiprocessing.active_children() if p not in before]
         assert len(started) == 1
         os.kill(started[0].pid, signal.SIGKILL)  # type: ignore[arg-type]
         started[0].join(10)
         with pytest.raises(BrokenProcessPool):
-            pool.prepare("job-6", request, 0)
+            pool.prepare("job-6", request, 0, "acme")
         assert pool.num_replaced == 1
-        assert pool.prepare("job-7", request, 0).prompt_token_ids == expected
+        assert pool.prepare("job-7", request, 0, "acme").prompt_token_ids == expected
     finally:
         pool.close()
     assert not [p for p in multiprocessing.active_children() if p not in before]  # closed: none left behind

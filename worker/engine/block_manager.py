@@ -180,7 +180,7 @@ class BlockManager:
         hashes = self._block_hashes.setdefault(req.request_id, [])
         if len(hashes) < num_blocks:
             token_ids = req.all_token_ids
-            parent = hashes[-1] if hashes else b""
+            parent = hashes[-1] if hashes else req.cache_salt.encode()
             for i in range(len(hashes), num_blocks):
                 start = i * self.block_size
                 end = start + self.block_size

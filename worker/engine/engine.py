@@ -70,6 +70,7 @@ class Engine:
             priority=req.priority,
             eos_token_ids=self._eos,
             max_model_len=self.max_model_len,
+            cache_salt=req.cache_salt,
         ))
         self.runner.add(prepared)
 

@@ -49,7 +49,7 @@ def prepare_input(loaded: LoadedModel, family: ModelFamily, req: GenerationReque
     except ValueError as exc:
         raise InputError(f"image placeholders do not match the images: {exc}") from exc
     images = [
-        ImageItem(content_hash=_tensor_hash(inputs), offset=start, num_tokens=length)
+        ImageItem(content_hash=_tensor_hash(inputs, req.cache_salt), offset=start, num_tokens=length)
         for (start, length), inputs in zip(runs, image_inputs, strict=True)
     ]
     positions, delta = family.prompt_positions(prompt.input_ids, prompt.encoded)
@@ -257,9 +257,10 @@ def _cumsum(seqs: list[tuple[list[int], int, int]]) -> list[int]:
     return out
 
 
-def _tensor_hash(inputs: dict[str, torch.Tensor]) -> str:
-    """Identity of an image as the model sees it: its preprocessed tensors."""
-    digest = hashlib.sha256()
+def _tensor_hash(inputs: dict[str, torch.Tensor], salt: str) -> str:
+    """Identity of an image as the model sees it (its preprocessed tensors) within `salt`: the encoder cache
+    shares embeddings only between requests of the same salt."""
+    digest = hashlib.sha256(salt.encode() + b"\0")
     for name in sorted(inputs):
         tensor = inputs[name].detach().contiguous().cpu()
         digest.update(name.encode())

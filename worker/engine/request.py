@@ -46,6 +46,7 @@ class Request:
     priority: int = 0          # higher runs first
     eos_token_ids: frozenset[int] = frozenset()
     max_model_len: int | None = None  # prompt + output never exceed this
+    cache_salt: str = ""  # prefix-cache blocks are shared only between requests of the same salt
     arrival: int = field(default_factory=lambda: next(_arrival))
 
     status: RequestStatus = RequestStatus.WAITING

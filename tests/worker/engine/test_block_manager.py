@@ -13,14 +13,14 @@ IMAGE_TOKEN = 9  # every image placeholder position carries this id
 
 def make_request(request_id: str, token_ids: list[int] | None = None, *, num_tokens: int = 8,
                  images: tuple[tuple[str, int, int], ...] = (), max_tokens: int = 4, priority: int = 0,
-                 eos: tuple[int, ...] = (), max_model_len: int | None = None) -> Request:
+                 eos: tuple[int, ...] = (), max_model_len: int | None = None, cache_salt: str = "") -> Request:
     """A request with text ids 100, 101, ... (or token_ids); images are (content_hash, offset, num_tokens)."""
     tokens = list(token_ids) if token_ids is not None else [100 + i for i in range(num_tokens)]
     items = [ImageItem(h, offset, n) for h, offset, n in images]
     for item in items:
         tokens[item.offset:item.end] = [IMAGE_TOKEN] * item.num_tokens
     return Request(request_id, tokens, SamplingParams(max_tokens=max_tokens), images=items, priority=priority,
-                   eos_token_ids=frozenset(eos), max_model_len=max_model_len)
+                   eos_token_ids=frozenset(eos), max_model_len=max_model_len, cache_salt=cache_salt)
 
 
 def compute_all(bm: BlockManager, req: Request) -> None:
@@ -100,6 +100,22 @@ def test_common_system_prompt_shares_blocks_and_counts_hits() -> None:
     bm.allocate(c)
     assert c.num_computed_tokens == 12 and c.block_ids[:3] == shared
     assert (bm.num_prefix_query_tokens, bm.num_prefix_hit_tokens) == (43, 24)
+
+
+def test_requests_share_blocks_only_under_the_same_salt() -> None:
+    """Each tenant's jobs carry its own salt: a prefix another tenant computed is not found, so no tenant can
+    tell by its own job's speed that another sent the same prompt."""
+    bm = BlockManager(num_blocks=20, block_size=4)
+    system = list(range(200, 212))  # 3 full blocks
+    alice = make_request("alice", [*system, 1], cache_salt="alice")
+    bm.allocate(alice)
+    compute_all(bm, alice)
+    mallory = make_request("mallory", [*system, 1], cache_salt="mallory")
+    assert bm.cached_prefix_tokens(mallory) == 0
+    bm.allocate(mallory)
+    assert mallory.num_cached_tokens == 0 and not set(mallory.block_ids) & set(alice.block_ids)
+    again = make_request("alice-again", [*system, 2], cache_salt="alice")
+    assert bm.cached_prefix_tokens(again) == 12
 
 
 def test_different_images_with_identical_token_ids_do_not_share() -> None:

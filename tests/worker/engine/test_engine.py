@@ -191,6 +191,20 @@ def test_same_image_encoded_once(family: tuple[str, Path], reference_model: Load
     assert metrics["generated_tokens"] == sum(r.completion_tokens for r in results.values())
 
 
+def test_an_image_is_shared_only_within_a_salt(family: tuple[str, Path], reference_model: LoadedModel) -> None:
+    """The same image in two tenants' jobs is encoded once per tenant (their cache salts), and each tenant's
+    later jobs reuse its own embeddings and prompt blocks; the tokens are HF's either way."""
+    name, path = family
+    shared = _image(random.Random(9))
+    requests = [replace(r, cache_salt=("alice", "mallory")[i % 2])
+                for i, r in enumerate(make_requests(16, seed=9, shared_image=shared))]
+    engine = new_engine(path, num_kv_blocks=512, block_size=8, max_num_batched_tokens=256)
+    results = run_engine(engine, requests, seed=4)
+    assert_identical(reference_model, name, requests, results)
+    metrics = engine.metrics()
+    assert metrics["encoder_cache_misses"] == metrics["vision_images"] == 2
+
+
 def test_encoder_budget_pushes_images_to_later_steps(family: tuple[str, Path], reference_model: LoadedModel
                                                      ) -> None:
     name, path = family
