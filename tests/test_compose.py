@@ -95,6 +95,16 @@ def test_long_running_services_have_healthchecks_and_start_in_order(compose: dic
     assert services["flower"]["profiles"] == ["flower"]
 
 
+def test_only_the_api_is_published_beyond_services_bind(compose: dict[str, Any]) -> None:
+    """Postgres, Redis, MinIO and Flower (no login) listen on SERVICES_BIND, loopback unless set; the API,
+    which checks keys, on every interface."""
+    for name, service in compose["services"].items():
+        for port in service.get("ports", []):
+            if name == "api":
+                continue
+            assert port.startswith("${SERVICES_BIND:-127.0.0.1}:"), (name, port)
+
+
 def test_redis_minio_gpu_and_volumes(compose: dict[str, Any]) -> None:
     services = compose["services"]
     redis = " ".join(services["redis"]["command"])
