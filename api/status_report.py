@@ -3,7 +3,8 @@ processes and their throughput, queue depths and job counts.
 
 A tenant's key sees its own batches, failures and job counts; keys of `admin_tenants` (and everyone when auth
 is off, in embedded mode) see all tenants. Workers and queues are shared by all tenants and carry no tenant
-data, so every key sees them.
+data, so every key sees them, bar the engines' cache hit rates: those move with what every tenant sends, and
+only admins see them.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ OPEN_BATCHES_SHOWN = 50
 FINISHED_BATCHES_SHOWN = 20
 FAILURES_SHOWN = 20
 ERROR_CHARS = 500
+ADMIN_ONLY_PROCESS_FIELDS = frozenset({"prefix_cache_hit_rate", "encoder_cache_hit_rate"})
 
 
 def _ts(value: Any) -> float | None:
@@ -75,7 +77,8 @@ def status_report(state: AppState, registry: WorkerRegistry, tenant: str | None)
         queues, errors["queues"] = {}, f"{type(exc).__name__}: {exc}"
     now = time.time()
     try:
-        processes = [{**r, "age_s": round(now - float(r.get("updated_at", now)), 1)} for r in registry.list()]
+        processes = [{**{k: v for k, v in r.items() if tenant is None or k not in ADMIN_ONLY_PROCESS_FIELDS},
+                      "age_s": round(now - float(r.get("updated_at", now)), 1)} for r in registry.list()]
     except Exception as exc:
         processes, errors["processes"] = [], f"{type(exc).__name__}: {exc}"
     return {"tenant": tenant, "generated_at": now, "jobs": jobs, "queues": queues, "batches": batches,

@@ -7,12 +7,13 @@ from __future__ import annotations
 from importlib.resources import files
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import HTMLResponse
 
 from api.auth import TenantDep
 from api.deps import StateDep
+from api.limits import rate_limit
 from api.status_report import status_report
 
 router = APIRouter(tags=["status"], include_in_schema=False)
@@ -29,7 +30,7 @@ def status_page() -> HTMLResponse:
         "Cache-Control": "no-cache"})
 
 
-@router.get("/status/data")
+@router.get("/status/data", dependencies=[Depends(rate_limit)])
 async def status_data(request: Request, state: StateDep, tenant: TenantDep) -> dict[str, Any]:
     settings = state.settings
     everyone = not settings.auth_required or tenant in settings.admin_tenants

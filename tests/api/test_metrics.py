@@ -88,10 +88,22 @@ def test_status_data_needs_a_key_and_shows_only_the_keys_tenant(server: ApiServe
     assert page.status_code == 200 and "vlmq status" in page.text
     assert "default-src 'none'" in page.headers["content-security-policy"]
     other, ops = server.make_key("globex"), server.make_key("ops")
-    with server.client() as acme, server.client(api_key=other) as globex, server.client(api_key=ops) as admin:
-        mine = _fail_a_job(server, acme, "acme")
-        theirs = _fail_a_job(server, globex, "globex")
-        a, g, o = (c.get("/status/data").json() for c in (acme, globex, admin))
+    settings = server.app.state.vlmq.settings
+    engine = {"model": "m", "tokens_per_s": 3.0, "prefix_cache_hit_rate": 0.25, "encoder_cache_hit_rate": 0.5}
+    beat = Heartbeat(WorkerRegistry(settings.broker_url), "worker", 1.0, lambda: engine,
+                     process="host:2:test").start()
+    try:
+        with server.client() as acme, server.client(api_key=other) as globex, server.client(api_key=ops) as admin:
+            mine = _fail_a_job(server, acme, "acme")
+            theirs = _fail_a_job(server, globex, "globex")
+            a, g, o = (c.get("/status/data").json() for c in (acme, globex, admin))
+    finally:
+        beat.close()
+    # Cache hit rates move with what every tenant sends: only admins see them.
+    worker = {name: next(p for p in d["processes"] if p["id"] == "host:2:test") for name, d in (("a", a), ("o", o))}
+    assert worker["o"]["prefix_cache_hit_rate"] == 0.25 and worker["o"]["encoder_cache_hit_rate"] == 0.5
+    assert "prefix_cache_hit_rate" not in worker["a"] and "encoder_cache_hit_rate" not in worker["a"]
+    assert worker["a"]["tokens_per_s"] == 3.0
     assert a["scope"] == "tenant acme" and o["scope"] == "all tenants"
     assert mine in {f["id"] for f in a["failures"]} and theirs not in {f["id"] for f in a["failures"]}
     assert theirs in {f["id"] for f in g["failures"]} and mine not in {f["id"] for f in g["failures"]}
