@@ -27,7 +27,7 @@ from common.storage import ObjectStore, make_store, result_key
 from common.submission import owned_image, store_image
 from common.views import chat_completion
 from tests.api.test_jobs_api import data_url, png_bytes
-from tests.conftest import settings_from_env
+from tests.conftest import held_redis_db, settings_from_env
 from worker.finalize import cancel_batch_jobs, due_batches, expire_batch, expire_due, finalize_batch
 from worker.ingest import IngestDeps, ingest_batch
 
@@ -374,12 +374,15 @@ def test_the_sweep_that_expires_a_batch_sends_its_finalize(settings: Settings, d
     ingest_batch(batch_id, IngestDeps(settings, db, store, Recorder()))
     _finish(db, store, batch_jobs(db, batch_id)[0], "in time")
     _expire_now(db, batch_id)
-    app = make_celery(settings)
-    register_tasks(app)
-    swept = app.tasks[TASK_SWEEP_BATCHES].apply()  # run here, as the ingest worker runs what beat sends
-    assert swept.successful(), swept.traceback
-    assert get_batch(db, batch_id).status == "finalizing"
-    sent = [m for m in _messages(settings, "ingest") if m["headers"]["argsrepr"] == repr([batch_id])]
+    # A broker db of its own: a consumer of the session's queues (another test's worker) cannot take the message.
+    with held_redis_db() as broker_url:
+        local = settings.model_copy(update={"broker_url": broker_url})
+        app = make_celery(local)
+        register_tasks(app)
+        swept = app.tasks[TASK_SWEEP_BATCHES].apply()  # run here, as the ingest worker runs what beat sends
+        assert swept.successful(), swept.traceback
+        assert get_batch(db, batch_id).status == "finalizing"
+        sent = [m for m in _messages(local, "ingest") if m["headers"]["argsrepr"] == repr([batch_id])]
     assert [m["headers"]["task"] for m in sent] == [TASK_FINALIZE_BATCH]
     assert finalize_batch(batch_id, db, store) == "expired"
 
