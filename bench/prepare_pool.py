@@ -33,7 +33,7 @@ from engine import cpu_name  # noqa: E402
 from common.settings import Settings  # noqa: E402
 from common.storage import S3ObjectStore, image_key  # noqa: E402
 from tests.s3_server import ACCESS_KEY, SECRET_KEY, S3Server  # noqa: E402
-from worker.job_request import generation_request  # noqa: E402
+from worker.job_request import fetch_images, generation_request  # noqa: E402
 from worker.tiny_model import FAMILIES, build_tiny  # noqa: E402
 
 BUCKET = "prepare-bench"
@@ -73,7 +73,8 @@ def in_threads(settings: Settings, image_ids: list[str], threads: int) -> tuple[
     lock = threading.Lock()
 
     def one(i: int) -> None:
-        req = generation_request(f"job-{i}", request(image_ids[i]), 0, settings, store.get, "bench")
+        job = request(image_ids[i])
+        req = generation_request(f"job-{i}", job, 0, settings, fetch_images(job, settings, store.get), "bench")
         with lock:
             prepare_input(front, family, req)
 

@@ -95,6 +95,15 @@ class ImageInfo:
     size_bytes: int
 
 
+def image_pixels(data: bytes, *, max_pixels: int, allowed_formats: Collection[str] = DEFAULT_ALLOWED_FORMATS
+                 ) -> int:
+    """Width x height from the header alone, nothing decoded; raises ImageError as decode_image would for a
+    format or size it refuses."""
+    with _open_checked(data, _normalize_formats(allowed_formats), max_pixels) as im:
+        width, height = im.size
+    return int(width * height)
+
+
 def inspect_image(
     data: bytes,
     *,

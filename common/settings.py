@@ -109,6 +109,14 @@ class Settings(BaseSettings):
     max_image_bytes: int = Field(default=20 * 1024 * 1024, ge=1024)
     max_image_pixels: int = Field(default=40_000_000, ge=1)
     max_images_per_job: int = Field(default=16, ge=1)
+    max_job_pixels: int = Field(
+        default=100_000_000, ge=1, description="The pixels of one job's images together (width x height, summed). "
+        "A job over it fails as invalid input when a worker reads its images' headers, before decoding any: "
+        "decoded, with the processor's copies, a pixel takes ~8 bytes of a worker's memory.")
+    worker_prepare_pixels: int = Field(
+        default=200_000_000, ge=1, description="Decoded pixels a worker's job threads hold at once while they "
+        "prepare inputs (worker/pixel_budget.py); later jobs wait their turn. A job over it runs when nothing "
+        "else is held.")
     max_image_frames: int = Field(default=1000, ge=1, description="Animated images above this are refused.")
     max_tokens_limit: int = Field(default=4096, ge=1)
     allowed_image_formats: list[str] = Field(default_factory=lambda: ["JPEG", "PNG", "WEBP", "GIF", "BMP"])

@@ -7,32 +7,54 @@ the same limits and refuse the same inputs.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from common.images import decode_image
+from common.images import decode_image, image_pixels
 from common.settings import Settings
 from common.storage import image_key
-from worker.generation import GenerationRequest, SamplingParams
+from worker.generation import GenerationRequest, InputError, SamplingParams
+
+
+@dataclass(frozen=True)
+class JobImages:
+    """A job's images as stored (compressed), in the order of its image parts, and their pixels in all."""
+
+    data: list[bytes]
+    pixels: int
 
 
 def has_images(request: dict[str, Any]) -> bool:
     return any(part["type"] == "image" for message in request["messages"] for part in message["content"])
 
 
+def fetch_images(request: dict[str, Any], settings: Settings, fetch: Callable[[str], bytes]) -> JobImages:
+    """The job's images, fetched (`fetch`: an object's bytes by key) and sized from their headers; raises
+    InputError when together they exceed `settings.max_job_pixels`, before any is decoded."""
+    data = [fetch(image_key(part["image_id"])) for message in request["messages"] for part in message["content"]
+            if part["type"] == "image"]
+    formats = tuple(settings.allowed_image_formats)
+    pixels = sum(image_pixels(d, max_pixels=settings.max_image_pixels, allowed_formats=formats) for d in data)
+    if pixels > settings.max_job_pixels:
+        raise InputError(f"the job's {len(data)} images hold {pixels:,} pixels in all; the limit is "
+                         f"{settings.max_job_pixels:,} (VLMQ_MAX_JOB_PIXELS)")
+    return JobImages(data, pixels)
+
+
 def generation_request(job_id: str, request: dict[str, Any], priority: int, settings: Settings,
-                       fetch: Callable[[str], bytes], tenant: str) -> GenerationRequest:
-    """`request`: the normalised chat request of common/submission.py; `fetch`: an object's bytes by key;
-    `tenant`: the job's, whose requests alone share cached prompt blocks and image embeddings."""
-    images = []
+                       images: JobImages, tenant: str) -> GenerationRequest:
+    """`request`: the normalised chat request of common/submission.py; `images`: its fetch_images; `tenant`: the
+    job's, whose requests alone share cached prompt blocks and image embeddings."""
+    decoded = iter(images.data)
+    pictures = []
     messages: list[dict[str, Any]] = []
     for message in request["messages"]:
         parts = []
         for part in message["content"]:
             if part["type"] == "image":
-                data = fetch(image_key(part["image_id"]))
-                images.append(decode_image(data, max_pixels=settings.max_image_pixels,
-                                           allowed_formats=tuple(settings.allowed_image_formats),
-                                           max_frames=settings.max_image_frames))
+                pictures.append(decode_image(next(decoded), max_pixels=settings.max_image_pixels,
+                                             allowed_formats=tuple(settings.allowed_image_formats),
+                                             max_frames=settings.max_image_frames))
                 parts.append({"type": "image"})
             else:
                 parts.append({"type": "text", "text": part["text"]})
@@ -40,5 +62,5 @@ def generation_request(job_id: str, request: dict[str, Any], priority: int, sett
     s = request["sampling"]
     sampling = SamplingParams(max_tokens=s["max_tokens"], temperature=s["temperature"], top_p=s["top_p"],
                               top_k=s.get("top_k", 0), seed=s["seed"], stop=list(s["stop"]))
-    return GenerationRequest(request_id=job_id, messages=messages, images=images, sampling=sampling,
+    return GenerationRequest(request_id=job_id, messages=messages, images=pictures, sampling=sampling,
                              priority=priority, cache_salt=tenant)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -32,8 +33,9 @@ from common.storage import ObjectNotFound, ObjectStore, result_key
 from common.views import chat_completion
 from worker.batcher import Generator
 from worker.generation import InputError
-from worker.job_request import generation_request, has_images
+from worker.job_request import fetch_images, generation_request, has_images
 from worker.leases import LeaseKeeper
+from worker.pixel_budget import PixelBudget
 from worker.solo_gate import SoloGate
 from worker.stage_clock import StageClock
 from worker.state_writer import StateWriter
@@ -85,6 +87,7 @@ class JobPipeline:
         self.leases = leases
         self.worker_id = worker_id
         self.gate = SoloGate()
+        self.pixels = PixelBudget(settings.worker_prepare_pixels)
         self.clock = StageClock()  # CPU per stage of a job, for /metrics (worker/telemetry.py)
         # Claims and finishes of the jobs in flight, grouped into shared transactions.
         self.writer = StateWriter(db, worker_id, settings.lease_seconds)
@@ -138,11 +141,15 @@ class JobPipeline:
                 with self.clock.stage("prepare"):
                     prepared = self.prepare_pool.prepare(job.id, job.request, job.priority, job.tenant)
             else:
-                with self.clock.stage("inputs"):
-                    request = generation_request(job.id, job.request, job.priority, self.settings, self._get,
-                                                 job.tenant)
-                with self.clock.stage("prepare"):
-                    prepared = self.generator.prepare(request)
+                with ExitStack() as decoded:
+                    with self.clock.stage("inputs"):
+                        images = fetch_images(job.request, self.settings, self._get)
+                        decoded.enter_context(self.pixels.hold(images.pixels))  # until the inputs are prepared
+                        request = generation_request(job.id, job.request, job.priority, self.settings, images,
+                                                     job.tenant)
+                    with self.clock.stage("prepare"):
+                        prepared = self.generator.prepare(request)
+                    del request, images
             with self.clock.stage("engine"):
                 result = self.generator.submit(prepared).result()
         except (InputError, ImageError) as exc:

@@ -27,7 +27,7 @@ from typing import Any
 from common.settings import Settings
 from common.storage import ObjectStore, make_store
 from worker.engine.model_runner import PreparedInput, prepare_input, without_decoded_images
-from worker.job_request import generation_request
+from worker.job_request import fetch_images, generation_request
 from worker.pipeline import infra_retry
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ def _fetch(key: str) -> bytes:
 
 def _prepare(job_id: str, request: dict[str, Any], priority: int, tenant: str) -> PreparedInput:
     assert _settings is not None
-    req = generation_request(job_id, request, priority, _settings, _fetch, tenant)
+    req = generation_request(job_id, request, priority, _settings, fetch_images(request, _settings, _fetch), tenant)
     return without_decoded_images(prepare_input(_front, _family, req))
 
 

@@ -13,8 +13,10 @@ import pytest
 from common import jobs
 from common.db import Database, get_database
 from common.migrate import upgrade
+from common.models import Job
 from common.settings import Settings
-from common.storage import ObjectStore, make_store, result_key
+from common.storage import ObjectStore, image_key, make_store, result_key
+from tests.api.test_jobs_api import png_bytes
 from worker.generation import GenerationRequest, GenerationResult
 from worker.leases import LeaseKeeper
 from worker.pipeline import JobPipeline, Outcome
@@ -30,8 +32,10 @@ class _ActingModel:
 
     def __init__(self, during: Callable[[str], None]) -> None:
         self.during = during
+        self.prepared: list[GenerationRequest] = []
 
     def prepare(self, req: GenerationRequest) -> GenerationRequest:
+        self.prepared.append(req)
         return req
 
     def submit(self, prepared: GenerationRequest) -> Future[GenerationResult]:
@@ -54,10 +58,11 @@ def local(tmp_path: Path) -> Iterator[tuple[Settings, Database, ObjectStore]]:
     yield settings, get_database(settings.database_url), make_store(settings)
 
 
-def _run(local: tuple[Settings, Database, ObjectStore], during: Callable[[str], None]) -> tuple[str, Outcome]:
+def _run(local: tuple[Settings, Database, ObjectStore], during: Callable[[str], None],
+         request: dict[str, Any] = REQUEST) -> tuple[str, Outcome]:
     settings, db, store = local
     with db.session() as session:
-        job_id = jobs.create_job(session, model=MODEL, request=REQUEST, tenant="acme").id
+        job_id = jobs.create_job(session, model=MODEL, request=request, tenant="acme").id
     leases = LeaseKeeper(db, "worker-1", settings.lease_seconds, 3600)
     pipeline = JobPipeline(settings, db, store, _ActingModel(during), leases, "worker-1")  # type: ignore[arg-type]
     try:
@@ -95,3 +100,37 @@ def test_a_result_another_worker_now_writes_is_kept(local: tuple[Settings, Datab
     with db.session() as session:
         assert jobs.finish(session, job_id, "worker-2", jobs.JobResult(result_key(job_id, "acme"), "ok", "stop",
                                                                       3, 1))
+
+
+def test_a_job_whose_images_hold_too_many_pixels_fails_before_any_is_decoded(tmp_path: Path) -> None:
+    """Compressed, a large flat image is tiny; decoded, it is width x height x 3 bytes and more. The worker reads
+    the sizes from the headers and refuses the job as bad input, once, without decoding."""
+    settings = Settings(data_dir=tmp_path, model=f"/models/{MODEL}", max_job_pixels=30_000)
+    upgrade(settings.database_url)
+    db, store = get_database(settings.database_url), make_store(settings)
+    for name, size in (("wide", (200, 100)), ("small", (50, 50))):
+        store.put(image_key(name), png_bytes(size=size))
+    model = _ActingModel(lambda job_id: None)
+
+    def request(*image_ids: str) -> dict[str, Any]:
+        parts = [{"type": "image", "image_id": i} for i in image_ids] + [{"type": "text", "text": "what?"}]
+        return {**REQUEST, "messages": [{"role": "user", "content": parts}]}
+
+    leases = LeaseKeeper(db, "worker-1", settings.lease_seconds, 3600)
+    pipeline = JobPipeline(settings, db, store, model, leases, "worker-1")  # type: ignore[arg-type]
+    try:
+        with db.session() as session:
+            over = jobs.create_job(session, model=MODEL, request=request("wide", "wide"), tenant="acme").id
+            within = jobs.create_job(session, model=MODEL, request=request("wide", "small"), tenant="acme").id
+        assert pipeline.run(over).status == "failed"
+        assert pipeline.run(within).status == "succeeded"
+    finally:
+        pipeline.close()
+    seen = model.prepared
+    assert [r.request_id for r in seen] == [within] and [im.size for im in seen[0].images] == [(200, 100), (50, 50)]
+    assert pipeline.pixels.num_held == 0
+    with db.session() as session:
+        failed = session.get(Job, over)
+        assert failed is not None and (failed.error_code, failed.attempts) == ("invalid_input", 1)
+        assert failed.error_message == ("the job's 2 images hold 40,000 pixels in all; the limit is 30,000 "
+                                        "(VLMQ_MAX_JOB_PIXELS)")

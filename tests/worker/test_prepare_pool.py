@@ -26,7 +26,7 @@ from worker.batcher import BatchingGenerator
 from worker.engine.families import get_family
 from worker.engine.model_runner import PreparedInput, prepare_input
 from worker.generation import InputError
-from worker.job_request import generation_request
+from worker.job_request import fetch_images, generation_request
 from worker.model_loader import load_model
 from worker.prepare_pool import PreparePool
 
@@ -65,8 +65,8 @@ def pool(settings: Settings) -> Iterator[PreparePool]:
 def _in_thread(settings: Settings, job_id: str, request: dict[str, Any], priority: int) -> PreparedInput:
     front = load_model(settings.model, weights=False)
     store = LocalObjectStore(settings.storage_dir)  # type: ignore[arg-type]
-    return prepare_input(front, get_family(front.model), generation_request(job_id, request, priority, settings,
-                                                                              store.get, "acme"))
+    return prepare_input(front, get_family(front.model), generation_request(
+        job_id, request, priority, settings, fetch_images(request, settings, store.get), "acme"))
 
 
 def test_the_pool_prepares_exactly_what_the_jobs_thread_does(pool: PreparePool, settings: Settings,
