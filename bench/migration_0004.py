@@ -33,7 +33,7 @@ SELECT 'job_' || i, 't' || ((i / 3) % :tenants), 'succeeded', 'm', 5,
            json_build_object('type', 'text', 'text', 'What is in this picture?')))),
            'sampling', json_build_object('max_tokens', 16)),
        1, 3, now()
-FROM generate_series(1, :jobs) AS i;
+FROM generate_series(CAST(1 AS bigint), :jobs) AS i;
 """
 
 
