@@ -15,20 +15,22 @@ from __future__ import annotations
 import copy
 import hashlib
 from collections.abc import Callable
+from typing import Generic, TypeVar
 
-# A reference resolved to an image id (sha256 hex), or the error it was refused with.
-_Entry = str | ValueError
+# What a reference resolved to (the image's id and size: common/submission.ResolvedImage).
+Resolved = TypeVar("Resolved")
 
 
-class ImageCache:
+class ImageCache(Generic[Resolved]):
     def __init__(self, max_entries: int = 100_000) -> None:
         self.max_entries = max_entries
-        self._entries: dict[bytes, _Entry] = {}
+        # A reference's digest -> what it resolved to, or the error it was refused with.
+        self._entries: dict[bytes, Resolved | ValueError] = {}
         self.hits = self.misses = 0
 
-    def resolve(self, url: str, compute: Callable[[], str]) -> str:
-        """The image id `compute` returns for `url`, computed once per distinct reference. A ValueError it
-        raised (SubmissionError is one) is raised again, as a copy, for every later use of the reference."""
+    def resolve(self, url: str, compute: Callable[[], Resolved]) -> Resolved:
+        """What `compute` returns for `url`, computed once per distinct reference. A ValueError it raised
+        (SubmissionError is one) is raised again, as a copy, for every later use of the reference."""
         if not url.startswith(("data:", "img_", "vlmq://")):
             return compute()
         key = hashlib.sha256(url.encode()).digest()

@@ -111,8 +111,9 @@ class Settings(BaseSettings):
     max_images_per_job: int = Field(default=16, ge=1)
     max_job_pixels: int = Field(
         default=100_000_000, ge=1, description="The pixels of one job's images together (width x height, summed). "
-        "A job over it fails as invalid input when a worker reads its images' headers, before decoding any: "
-        "decoded, with the processor's copies, a pixel takes ~8 bytes of a worker's memory.")
+        "A job over it is refused at submission (400 too_many_pixels, or a batch line's error), and a worker "
+        "checks again from the images' headers before decoding any: decoded, with the processor's copies, a "
+        "pixel takes ~8 bytes of a worker's memory.")
     worker_prepare_pixels: int = Field(
         default=200_000_000, ge=1, description="Decoded pixels a worker's job threads hold at once while they "
         "prepare inputs (worker/pixel_budget.py); later jobs wait their turn. A job over it runs when nothing "

@@ -11,6 +11,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import select
@@ -99,54 +100,68 @@ def store_image(session: Session, store: ObjectStore, data: bytes, settings: Set
     return owned_image(session, tenant, sha256)  # type: ignore[return-value]
 
 
+@dataclass(frozen=True)
+class ResolvedImage:
+    sha256: str
+    pixels: int  # width x height: a job's images together may hold at most settings.max_job_pixels
+
+    @classmethod
+    def of(cls, record: ImageRecord) -> ResolvedImage:
+        return cls(record.id, record.width * record.height)
+
+
 class KnownImages:
-    """(tenant, image id) pairs this process has seen owned in SQL. Image and owner rows are never deleted,
-    so once seen a pair stays valid, and a job naming the tenant's uploaded images needs no lookup (nor a
-    session) after the first."""
+    """(tenant, image id) pairs this process has seen owned in SQL, with the image's pixels. Image and owner
+    rows are never deleted, so once seen a pair stays valid, and a job naming the tenant's uploaded images
+    needs no lookup (nor a session) after the first."""
 
     def __init__(self, capacity: int = 100_000) -> None:
         self.capacity = capacity
-        self._ids: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self._pixels: OrderedDict[tuple[str, str], int] = OrderedDict()
         self._lock = threading.Lock()
 
-    def __contains__(self, key: object) -> bool:
+    def get(self, key: tuple[str, str]) -> int | None:
+        """The image's pixels if the pair is known (now the most recently used), else None."""
         with self._lock:
-            if key not in self._ids:
-                return False
-            self._ids.move_to_end(key)  # type: ignore[arg-type]
-            return True
+            pixels = self._pixels.get(key)
+            if pixels is not None:
+                self._pixels.move_to_end(key)
+            return pixels
 
-    def add(self, key: tuple[str, str]) -> None:
+    def add(self, key: tuple[str, str], pixels: int) -> None:
         with self._lock:
-            self._ids[key] = None
-            self._ids.move_to_end(key)
-            while len(self._ids) > self.capacity:
-                self._ids.popitem(last=False)
+            self._pixels[key] = pixels
+            self._pixels.move_to_end(key)
+            while len(self._pixels) > self.capacity:
+                self._pixels.popitem(last=False)
 
 
 known_images = KnownImages()
 
 
-def _known_image_id(url: str, tenant: str) -> str | None:
+def _known_image(url: str, tenant: str) -> ResolvedImage | None:
     match = IMAGE_ID_RE.match(url)
-    return match.group(1) if match and (tenant, match.group(1)) in known_images else None
+    pixels = known_images.get((tenant, match.group(1))) if match else None
+    return None if match is None or pixels is None else ResolvedImage(match.group(1), pixels)
 
 
-def _resolve_image(url: str, session: Session, store: ObjectStore, settings: Settings, tenant: str) -> str:
+def _resolve_image(url: str, session: Session, store: ObjectStore, settings: Settings, tenant: str
+                   ) -> ResolvedImage:
     match = IMAGE_ID_RE.match(url)
     if match:
-        sha256 = match.group(1)
-        if owned_image(session, tenant, sha256) is None:
+        record = owned_image(session, tenant, match.group(1))
+        if record is None:
             raise SubmissionError(f"unknown image id {url!r}: upload it with POST /v1/images first", 400,
                                   "unknown_image")
-        known_images.add((tenant, sha256))  # committed rows: this read saw them
-        return sha256
+        resolved = ResolvedImage.of(record)
+        known_images.add((tenant, resolved.sha256), resolved.pixels)  # committed rows: this read saw them
+        return resolved
     if url.startswith("data:"):
         try:
             data = parse_data_url(url)
         except ImageError as exc:
             raise SubmissionError(str(exc), 400, "invalid_image") from None
-        return store_image(session, store, data, settings, tenant).id
+        return ResolvedImage.of(store_image(session, store, data, settings, tenant))
     if url[:8].lower().startswith(("http://", "https://")):
         if not settings.image_urls_enabled:
             raise SubmissionError("remote image URLs are not enabled on this server; send a data: URL or an "
@@ -155,27 +170,27 @@ def _resolve_image(url: str, session: Session, store: ObjectStore, settings: Set
             data = fetcher_for(settings).fetch(url)
         except ImageFetchError as exc:
             raise SubmissionError(str(exc), 400, exc.code) from None
-        return store_image(session, store, data, settings, tenant).id
+        return ResolvedImage.of(store_image(session, store, data, settings, tenant))
     raise SubmissionError("image_url.url must be a data: URL or an uploaded image id (img_<sha256>)", 400,
                           "invalid_image")
 
 
 def needs_session(req: ChatCompletionRequest, tenant: str = DEFAULT_TENANT) -> bool:
     """Whether normalising `req` has images to look up or store (not only the tenant's ids known here)."""
-    return any(isinstance(part, ImagePart) and _known_image_id(part.image_url.url, tenant) is None
+    return any(isinstance(part, ImagePart) and _known_image(part.image_url.url, tenant) is None
                for m in req.messages if not isinstance(m.content, str) for part in m.content)
 
 
 def normalize_request(
     req: ChatCompletionRequest, session: Session | None, store: ObjectStore, settings: Settings,
-    images: ImageCache | None = None, tenant: str = DEFAULT_TENANT,
+    images: ImageCache[ResolvedImage] | None = None, tenant: str = DEFAULT_TENANT,
 ) -> dict[str, Any]:
     """The job's stored request: messages with images replaced by content hashes, and sampling. Images named
     by id must be the tenant's own. With `images` (one ingestion run's cache, so one tenant's), an image
     reference met before is not resolved again. Only a request with images to resolve needs a `session`
     (see needs_session)."""
     messages: list[dict[str, Any]] = []
-    num_images = 0
+    num_images = pixels = 0
     for message in req.messages:
         if isinstance(message.content, str):
             messages.append({"role": message.role, "content": [{"type": "text", "text": message.content}]})
@@ -190,18 +205,20 @@ def normalize_request(
                     raise SubmissionError(f"a job may carry at most {settings.max_images_per_job} images",
                                           400, "too_many_images")
                 url = part.image_url.url
-                known = _known_image_id(url, tenant)
-                if known is not None:
-                    parts.append({"type": "image", "image_id": known})
-                    continue
-                if session is None:
-                    raise ValueError("a request with images to resolve is normalised in a session")
-                if images is None:
-                    image_id = _resolve_image(url, session, store, settings, tenant)
-                else:
-                    image_id = images.resolve(url, lambda u=url: _resolve_image(u, session, store, settings,
-                                                                                tenant))
-                parts.append({"type": "image", "image_id": image_id})
+                resolved = _known_image(url, tenant)
+                if resolved is None:
+                    if session is None:
+                        raise ValueError("a request with images to resolve is normalised in a session")
+                    if images is None:
+                        resolved = _resolve_image(url, session, store, settings, tenant)
+                    else:
+                        resolved = images.resolve(url, lambda u=url: _resolve_image(u, session, store, settings,
+                                                                                    tenant))
+                pixels += resolved.pixels
+                if pixels > settings.max_job_pixels:
+                    raise SubmissionError(f"the job's images hold over {settings.max_job_pixels:,} pixels in all "
+                                          "(width x height, summed), this server's limit", 400, "too_many_pixels")
+                parts.append({"type": "image", "image_id": resolved.sha256})
         messages.append({"role": message.role, "content": parts})
     max_tokens = req.max_completion_tokens or req.max_tokens or 256
     if max_tokens > settings.max_tokens_limit:

@@ -34,7 +34,7 @@ from common.image_cache import ImageCache
 from common.models import Batch, BatchLineError, BatchStatus, FileRecord, Job, JobStatus, new_id, utcnow
 from common.settings import Settings
 from common.storage import ObjectNotFound, ObjectStore
-from common.submission import SubmissionError, normalize_request, resolve_model
+from common.submission import ResolvedImage, SubmissionError, normalize_request, resolve_model
 from worker.dataset import DatasetError, index_archive, iter_csv_lines, resolve_paths
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ class _Run:
     has_images: bool = False  # a native dataset: lines may name archive members by path
     images_root: str | None = None
     # Image references already resolved in this run: an image reused by many lines is checked once.
-    images: ImageCache = field(default_factory=ImageCache)
+    images: ImageCache[ResolvedImage] = field(default_factory=ImageCache)
 
 
 def ingest_batch(batch_id: str, deps: IngestDeps) -> str:

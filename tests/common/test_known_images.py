@@ -1,4 +1,4 @@
-"""The API's memory of image ids it has seen in SQL: bounded, most recently used kept."""
+"""The API's memory of image ids it has seen owned in SQL, with their pixels: bounded, most recently used kept."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from common.submission import KnownImages
 
 def test_known_images_keep_the_most_recently_used() -> None:
     known = KnownImages(capacity=2)
-    known.add(("t", "a"))
-    known.add(("t", "b"))
-    assert ("t", "a") in known  # now the most recent
-    known.add(("t", "c"))
-    assert ("t", "a") in known and ("t", "c") in known and ("t", "b") not in known
-    assert ("t", "never") not in known and ("other", "a") not in known
+    known.add(("t", "a"), 10)
+    known.add(("t", "b"), 20)
+    assert known.get(("t", "a")) == 10  # now the most recent
+    known.add(("t", "c"), 30)
+    assert known.get(("t", "a")) == 10 and known.get(("t", "c")) == 30 and known.get(("t", "b")) is None
+    assert known.get(("t", "never")) is None and known.get(("other", "a")) is None

@@ -1,0 +1,43 @@
+"""common/submission.py: a request checked and normalised into a job's stored request (SQLite, a local folder)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from common.db import get_database
+from common.migrate import upgrade
+from common.schemas import ChatCompletionRequest
+from common.settings import Settings
+from common.storage import make_store
+from common.submission import SubmissionError, normalize_request, store_image
+from tests.api.test_jobs_api import chat_body, data_url, png_bytes
+
+
+def _request(*urls: str) -> ChatCompletionRequest:
+    body = chat_body()
+    body["messages"][0]["content"][:0] = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+    return ChatCompletionRequest.model_validate(body)
+
+
+def test_a_jobs_images_may_hold_at_most_max_job_pixels_however_they_are_named(tmp_path: Path) -> None:
+    """Sent as bytes, or named by id (looked up, or already known to this process), the images' pixels add
+    up against the limit, and a job over it is refused before it is written."""
+    settings = Settings(data_dir=tmp_path, max_job_pixels=5_000)
+    upgrade(settings.database_url)
+    db, store = get_database(settings.database_url), make_store(settings)
+    wide, small = png_bytes(size=(60, 50)), png_bytes((1, 2, 3), size=(20, 20))  # 3,000 and 400 pixels
+    with db.session() as session:
+        wide_id = "img_" + store_image(session, store, wide, settings, "acme").id
+        for urls in ([data_url(wide), data_url(small)], [wide_id, data_url(small)]):
+            normalize_request(_request(*urls), session, store, settings, tenant="acme")
+        for urls in ([data_url(wide), data_url(wide)], [wide_id, data_url(wide)], [wide_id, wide_id]):
+            with pytest.raises(SubmissionError) as refused:
+                normalize_request(_request(*urls), session, store, settings, tenant="acme")
+            assert (refused.value.status_code, refused.value.code) == (400, "too_many_pixels")
+            assert "5,000 pixels" in str(refused.value)
+    # The id is known to this process now: no session needed, and its pixels still count.
+    normalize_request(_request(wide_id), None, store, settings, tenant="acme")
+    with pytest.raises(SubmissionError, match="pixels"):
+        normalize_request(_request(wide_id, wide_id), None, store, settings, tenant="acme")
