@@ -84,6 +84,7 @@ def error_key(batch_id: str, tenant: str) -> str:
 
 def finalize_batch(batch_id: str, db: Database, store: ObjectStore) -> str:
     """End the batch if all its jobs are terminal; returns its status afterwards."""
+    final: BatchStatus | None
     with db.session() as session:
         batch = session.get(Batch, batch_id)
         if batch is None:
@@ -103,12 +104,15 @@ def finalize_batch(batch_id: str, db: Database, store: ObjectStore) -> str:
                 return batch.status  # running jobs finish (or are refused) first
             final = BatchStatus.CANCELLED
         elif batch.status == BatchStatus.FAILED and batch.refused_requests and batch.error_file_id is None:
-            tenant = batch.tenant
-            _attach_refusals(batch_id, tenant, db, store)
-            return batch.status
+            final = None  # failed at ingestion: its refusals get their error file, outside this session
         else:
             return batch.status
-        tenant = batch.tenant
+        tenant, status = batch.tenant, batch.status
+    if final is None:
+        # Not inside the session above: on SQLite it holds the write lock, which _attach_refusals's own
+        # sessions would wait on until the busy timeout (every attempt failed, and every writer waited).
+        _attach_refusals(batch_id, tenant, db, store)
+        return status
     output, errors = _JsonlObject(store, output_key(batch_id, tenant)), _JsonlObject(store, error_key(batch_id, tenant))
     try:
         stopped_code = "batch_expired" if final == BatchStatus.EXPIRED else "batch_cancelled"

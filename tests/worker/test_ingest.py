@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -442,6 +443,16 @@ def test_ingest_and_finalize_on_sqlite_and_a_local_folder(tmp_path: Path) -> Non
     output = _read_jsonl(store, db, batch.output_file_id or "")
     assert sorted(o["custom_id"] for o in output) == ["a", "b", "c"]
     assert (tmp_path / "objects" / "tenants" / "default" / "batches" / batch_id / "output.jsonl").is_file()
+    # A batch none of whose lines can run fails at ingestion; its error file lists them all, at once: the
+    # finalizer wrote it in sessions of its own while its first still held SQLite's write lock, and waited out
+    # the busy timeout on every attempt.
+    refused = make_batch(db, store, b"not json\n" + line("x", model="another-model").encode())
+    assert ingest_batch(refused, IngestDeps(local, db, store, Recorder())) == "failed"
+    started = time.monotonic()
+    assert finalize_batch(refused, db, store) == "failed"
+    assert time.monotonic() - started < 5
+    errors = _read_jsonl(store, db, get_batch(db, refused).error_file_id or "")
+    assert [e["custom_id"] for e in errors] == [None, "x"]
     db.dispose()
 
 
