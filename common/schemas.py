@@ -52,6 +52,9 @@ class StorableBody(BaseModel):
         return data
 
 
+_NULL_MEANS_DEFAULT = ("temperature", "top_p", "top_k", "n", "stream", "priority")
+
+
 class ChatCompletionRequest(StorableBody):
     """The body of an OpenAI chat completion, restricted to what vlmq runs."""
 
@@ -60,14 +63,23 @@ class ChatCompletionRequest(StorableBody):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=0.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0, description="vLLM-style extension; 0 disables it.")
+    # Greedy by default, not OpenAI's 1.0: a batch run twice gives the same answers. null means the default,
+    # as OpenAI's API takes it (its client sends null for an argument given as None).
+    temperature: float | None = Field(default=0.0, ge=0.0, le=2.0, description="0 (the default): greedy.")
+    top_p: float | None = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=0, ge=0, description="vLLM-style extension; 0 disables it.")
     # torch seeds a generator from a 64-bit integer; JSON's integers have no bound.
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     stop: str | list[str] | None = None
-    n: Literal[1] = 1
-    stream: Literal[False] = False
+    n: Literal[1] | None = 1
+    stream: Literal[False] | None = False
+
+    @model_validator(mode="after")
+    def _null_means_default(self) -> ChatCompletionRequest:
+        for name in _NULL_MEANS_DEFAULT:
+            if name in type(self).model_fields and getattr(self, name) is None:
+                setattr(self, name, type(self).model_fields[name].default)
+        return self
 
     @field_validator("stop")
     @classmethod
@@ -85,7 +97,7 @@ class ChatCompletionRequest(StorableBody):
 
 
 class JobCreate(ChatCompletionRequest):
-    priority: int = Field(default=5, ge=0, le=9, description="0 lowest .. 9 highest.")
+    priority: int | None = Field(default=5, ge=0, le=9, description="0 lowest .. 9 highest.")
     metadata: dict[str, Any] | None = Field(default=None, description=(
         f"Any JSON object, echoed with the job; at most {MAX_JOB_METADATA_BYTES} bytes as JSON."))
 

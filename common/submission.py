@@ -192,8 +192,10 @@ def normalize_request(
     messages: list[dict[str, Any]] = []
     num_images = pixels = 0
     for message in req.messages:
+        # OpenAI's newer name for the system message; chat templates know only "system".
+        role = "system" if message.role == "developer" else message.role
         if isinstance(message.content, str):
-            messages.append({"role": message.role, "content": [{"type": "text", "text": message.content}]})
+            messages.append({"role": role, "content": [{"type": "text", "text": message.content}]})
             continue
         parts: list[dict[str, Any]] = []
         for part in message.content:
@@ -219,7 +221,7 @@ def normalize_request(
                     raise SubmissionError(f"the job's images hold over {settings.max_job_pixels:,} pixels in all "
                                           "(width x height, summed), this server's limit", 400, "too_many_pixels")
                 parts.append({"type": "image", "image_id": resolved.sha256})
-        messages.append({"role": message.role, "content": parts})
+        messages.append({"role": role, "content": parts})
     max_tokens = req.max_completion_tokens or req.max_tokens or 256
     if max_tokens > settings.max_tokens_limit:
         raise SubmissionError(f"max_tokens {max_tokens} exceeds this server's limit of "

@@ -5,10 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from common.db import get_database
 from common.migrate import upgrade
-from common.schemas import ChatCompletionRequest
+from common.schemas import ChatCompletionRequest, JobCreate
 from common.settings import Settings
 from common.storage import make_store
 from common.submission import SubmissionError, normalize_request, store_image
@@ -41,3 +42,19 @@ def test_a_jobs_images_may_hold_at_most_max_job_pixels_however_they_are_named(tm
     normalize_request(_request(wide_id), None, store, settings, tenant="acme")
     with pytest.raises(SubmissionError, match="pixels"):
         normalize_request(_request(wide_id, wide_id), None, store, settings, tenant="acme")
+
+
+def test_openai_nulls_mean_the_defaults_and_a_developer_message_is_a_system_message(tmp_path: Path) -> None:
+    """The openai client sends null for an argument given as None; newer OpenAI models take instructions as
+    a `developer` message, which chat templates know as `system`."""
+    settings = Settings(data_dir=tmp_path)
+    body = {"messages": [{"role": "developer", "content": "Answer in one word."},
+                         {"role": "user", "content": [{"type": "text", "text": "Colour of the sky?"}]}],
+            "temperature": None, "top_p": None, "top_k": None, "n": None, "stream": None, "priority": None}
+    req = JobCreate.model_validate(body)
+    assert (req.temperature, req.top_p, req.top_k, req.n, req.stream, req.priority) == (0.0, 1.0, 0, 1, False, 5)
+    stored = normalize_request(req, None, make_store(settings), settings)
+    assert [m["role"] for m in stored["messages"]] == ["system", "user"]
+    assert stored["sampling"]["temperature"] == 0.0 and stored["sampling"]["top_p"] == 1.0
+    with pytest.raises(ValidationError):
+        JobCreate.model_validate({**body, "n": 2})
