@@ -21,7 +21,7 @@ from sqlalchemy import update
 from common import jobs
 from common.db import get_database
 from common.models import Job, JobStatus
-from common.queue import send_sweep_batches
+from common.queue import ingest_queue, send_sweep_batches
 from common.settings import Settings
 from worker.context import get_context
 from worker.tasks import register_tasks
@@ -93,7 +93,7 @@ def take_over(settings: Settings) -> tuple[int, int]:
 
 @contextmanager
 def embedded_worker(app: Celery, settings: Settings, ready_timeout: float = 120.0) -> Iterator[WorkController]:
-    """Run a threads-pool worker for `settings.job_queue` until the block exits."""
+    """Run a threads-pool worker for `settings.job_queue` and the batch tasks' queue until the block exits."""
     with _sole_owner(settings.data_dir):
         resent, running = take_over(settings)
         if resent or running:
@@ -115,7 +115,7 @@ def _embedded_worker(app: Celery, settings: Settings, ready_timeout: float) -> I
         app=app,
         concurrency=settings.worker_concurrency,
         pool="threads",
-        queues=[settings.job_queue],
+        queues=[settings.job_queue, ingest_queue(settings)],
         hostname=f"embedded-{threading.get_ident()}@localhost",
         loglevel="WARNING",
         ready_callback=None,

@@ -444,7 +444,7 @@ def test_bad_requests_are_4xx_with_a_message(stack: Stack) -> None:
 
 
 def test_embedded_mode_runs_batches(tiny_llava_path: Path, tmp_path: Path) -> None:
-    """SQLite, the in-process broker and worker, a local object folder: batch tasks share the model's queue."""
+    """SQLite, the in-process broker and worker, a local object folder."""
     from common.migrate import upgrade
     from worker.context import get_context, set_context
     from worker.embedded import embedded_worker
@@ -468,6 +468,23 @@ def test_embedded_mode_runs_batches(tiny_llava_path: Path, tmp_path: Path) -> No
             assert len(client.files.content(batch.output_file_id or "").text.splitlines()) == 3
             local = httpx.get(f"{server.url}/v1/files/{batch.output_file_id}/url")
             assert local.status_code == 409 and "/content" in local.json()["error"]["message"]
+            # A cancel is not queued behind the jobs already sent: batch tasks have a queue of their own, which
+            # the worker takes from in turn with the model's (the in-memory broker ignores priorities, so on the
+            # model's queue the cancel waited for every job sent before it).
+            lines = [request_line(f"c{i}", text_body(f"cancel me {i}", max_tokens=24)) for i in range(400)]
+            file_id = client.files.create(file=("many.jsonl", "\n".join(lines).encode()), purpose="batch").id
+            batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
+                                          completion_window="24h")
+            while (batch := client.batches.retrieve(batch.id)).request_counts.completed < 8:  # type: ignore[union-attr]
+                assert time.monotonic() < deadline + 60, batch
+                time.sleep(0.05)
+            at_cancel = client.batches.cancel(batch.id).request_counts.completed  # type: ignore[union-attr]
+            while (batch := client.batches.retrieve(batch.id)).status not in FINAL:
+                assert time.monotonic() < deadline + 120, batch
+                time.sleep(0.2)
+            assert batch.status == "cancelled", batch
+            # Jobs already running when the cancel came finish; the rest of the 400 never run.
+            assert batch.request_counts.completed - at_cancel < 100, (at_cancel, batch.request_counts)  # type: ignore[union-attr]
     finally:
         get_context().close()
         set_context(None)
