@@ -58,12 +58,14 @@ def insert_ignoring_conflicts(
 def create_batch(
     session: Session, *, input_file_id: str, endpoint: str, completion_window: str, model: str,
     metadata: dict[str, str] | None, images_file_id: str | None = None, tenant: str = DEFAULT_TENANT,
+    output_expires_seconds: int | None = None,
 ) -> Batch:
     now = utcnow()
     batch = Batch(
         id=new_id("batch"), tenant=tenant, status=BatchStatus.VALIDATING, endpoint=endpoint,
         completion_window=completion_window,
         input_file_id=input_file_id, images_file_id=images_file_id, model=model, metadata_=metadata,
+        output_expires_seconds=output_expires_seconds,
         created_at=now, expires_at=now + COMPLETION_WINDOWS[completion_window], ingested_lines=0, total_requests=0,
         refused_requests=0, completed_requests=0, failed_requests=0,
     )

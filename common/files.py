@@ -21,6 +21,7 @@ from botocore.exceptions import ClientError
 from sqlalchemy.orm import Session
 
 from common.db import Database
+from common.file_expiry import ExpiresAfter
 from common.models import FileRecord, utcnow
 from common.storage import LocalObjectStore, ObjectNotFound, ObjectStore, S3ObjectStore, tenant_prefix
 
@@ -246,9 +247,11 @@ def file_key(file_id: str, tenant: str) -> str:
 
 
 def add_file(session: Session, *, file_id: str, key: str, size: int, filename: str, purpose: str,
-             tenant: str) -> FileRecord:
+             tenant: str, expires_after: ExpiresAfter | None = None) -> FileRecord:
+    now = utcnow()
     record = FileRecord(id=file_id, tenant=tenant, object_key=key, size_bytes=size, filename=filename[:512],
-                        purpose=purpose, status="processed", created_at=utcnow())
+                        purpose=purpose, status="processed", created_at=now,
+                        expires_at=expires_after.expires_at(now) if expires_after is not None else None)
     session.add(record)
     session.flush()
     return record

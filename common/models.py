@@ -217,6 +217,8 @@ class Batch(Base):
     errors: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON, nullable=True)  # why it failed
     output_file_id: Mapped[str | None] = mapped_column(String(48), nullable=True)
     error_file_id: Mapped[str | None] = mapped_column(String(48), nullable=True)
+    # `output_expires_after.seconds`: the output and error files expire this long after they are written.
+    output_expires_seconds: Mapped[int | None] = mapped_column(Integer, nullable=True)
     # Native datasets (a vlmq extension): a zip/tar of images the input lines name by relative path. Its
     # members are stored and indexed (batch_images) once, before the lines are read.
     images_file_id: Mapped[str | None] = mapped_column(String(48), nullable=True)

@@ -22,6 +22,7 @@ from sqlalchemy.orm import Session
 from common import batches, jobs
 from common.batch_input import LineError, job_line, refused_line
 from common.db import Database
+from common.file_expiry import ExpiresAfter
 from common.files import ObjectWriter, add_file, open_writer
 from common.models import Batch, BatchLineError, BatchStatus, FileRecord, Job, JobStatus, new_file_id
 from common.storage import ObjectStore, tenant_prefix
@@ -107,11 +108,11 @@ def finalize_batch(batch_id: str, db: Database, store: ObjectStore) -> str:
             final = None  # failed at ingestion: its refusals get their error file, outside this session
         else:
             return batch.status
-        tenant, status = batch.tenant, batch.status
+        tenant, status, expiry = batch.tenant, batch.status, _output_expiry(batch)
     if final is None:
         # Not inside the session above: on SQLite it holds the write lock, which _attach_refusals's own
         # sessions would wait on until the busy timeout (every attempt failed, and every writer waited).
-        _attach_refusals(batch_id, tenant, db, store)
+        _attach_refusals(batch_id, tenant, db, store, expiry)
         return status
     output, errors = _JsonlObject(store, output_key(batch_id, tenant)), _JsonlObject(store, error_key(batch_id, tenant))
     try:
@@ -131,7 +132,8 @@ def finalize_batch(batch_id: str, db: Database, store: ObjectStore) -> str:
             for kind, key, size in (("output", output_key(batch_id, tenant), output_size),
                                     ("error", error_key(batch_id, tenant), error_size)):
                 if size is not None:
-                    values[f"{kind}_file_id"] = _add_output_file(session, batch_id, tenant, kind, key, size).id
+                    values[f"{kind}_file_id"] = _add_output_file(session, batch_id, tenant, kind, key, size,
+                                                                 expiry).id
             if not batches.finish(session, batch_id, final, **values):
                 raise _Lost()
     except _Lost:
@@ -140,7 +142,8 @@ def finalize_batch(batch_id: str, db: Database, store: ObjectStore) -> str:
         return session.scalar(select(Batch.status).where(Batch.id == batch_id)) or "missing"
 
 
-def _attach_refusals(batch_id: str, tenant: str, db: Database, store: ObjectStore) -> None:
+def _attach_refusals(batch_id: str, tenant: str, db: Database, store: ObjectStore,
+                     expiry: ExpiresAfter | None) -> None:
     """A batch none of whose lines could run failed at ingestion, its `errors` listing the first 100 (OpenAI's
     shape); every refused line still gets its line in an error file, as in any other batch."""
     output, errors = _JsonlObject(store, output_key(batch_id, tenant)), _JsonlObject(store, error_key(batch_id, tenant))
@@ -154,7 +157,7 @@ def _attach_refusals(batch_id: str, tenant: str, db: Database, store: ObjectStor
     if size is None:
         return
     with db.session() as session:
-        record = _add_output_file(session, batch_id, tenant, "error", error_key(batch_id, tenant), size)
+        record = _add_output_file(session, batch_id, tenant, "error", error_key(batch_id, tenant), size, expiry)
         attached = session.execute(
             update(Batch).where(Batch.id == batch_id, Batch.error_file_id.is_(None))
             .values(error_file_id=record.id).execution_options(synchronize_session=False)).rowcount
@@ -162,10 +165,16 @@ def _attach_refusals(batch_id: str, tenant: str, db: Database, store: ObjectStor
             session.delete(record)
 
 
-def _add_output_file(session: Session, batch_id: str, tenant: str, kind: str, key: str, size: int) -> FileRecord:
+def _output_expiry(batch: Batch) -> ExpiresAfter | None:
+    seconds = batch.output_expires_seconds
+    return None if seconds is None else ExpiresAfter(anchor="created_at", seconds=seconds)
+
+
+def _add_output_file(session: Session, batch_id: str, tenant: str, kind: str, key: str, size: int,
+                     expiry: ExpiresAfter | None) -> FileRecord:
     """The file record of a batch's output or error JSONL, already written under `key`."""
     return add_file(session, file_id=new_file_id(), key=key, size=size, filename=f"{batch_id}_{kind}.jsonl",
-                    purpose="batch_output", tenant=tenant)
+                    purpose="batch_output", tenant=tenant, expires_after=expiry)
 
 
 def _write_lines(batch_id: str, db: Database, output: _JsonlObject, errors: _JsonlObject,

@@ -143,7 +143,8 @@ def register_tasks(app: Celery) -> None:
     @app.task(shared=False, name=TASK_SWEEP_BATCHES, bind=True, acks_late=True)
     def sweep_batches(self: Task) -> int:
         """Periodic (beat): requeue jobs whose worker died, top up every tenant's dispatch window, expire
-        batches past their window, and finalize those a trigger missed."""
+        batches past their window, finalize those a trigger missed, and delete expired files."""
+        from common.file_expiry import delete_expired_files
         from worker.finalize import due_batches, expire_batch, expire_due
 
         ctx = batch_context(app)
@@ -162,6 +163,8 @@ def register_tasks(app: Celery) -> None:
         due = due_batches(ctx.db)
         for batch_id in due:
             send_finalize_batch(app, ctx.settings, batch_id)
+        if deleted := delete_expired_files(ctx.db, ctx.store):
+            log.info("deleted %d expired files", deleted)
         return len(due)
 
 

@@ -21,6 +21,7 @@ from api.limits import open_jobs_guard
 from api.routes.files import list_page
 from common import batches
 from common.batch_input import CHAT_URL
+from common.file_expiry import ExpiresAfter
 from common.models import Batch, BatchStatus, FileRecord
 from common.queue import send_cancel_batch, send_ingest_batch
 from common.schemas import StorableBody
@@ -38,8 +39,8 @@ class BatchCreate(StorableBody):
     endpoint: str
     completion_window: str
     metadata: dict[str, str] | None = None
-    # Accepted for compatibility; vlmq keeps batch outputs until they are deleted.
-    output_expires_after: dict[str, Any] | None = None
+    # The output and error files expire this long after they are written (common/file_expiry.py).
+    output_expires_after: ExpiresAfter | None = None
     # vlmq extension (openai client: extra_body): a zip or tar of images that input lines name by relative
     # path, e.g. {"type": "image_url", "image_url": {"url": "images/cat.png"}}; CSV input files need one too.
     images_file_id: str | None = None
@@ -88,7 +89,9 @@ def create(state: AppState, tenant: str, body: BatchCreate) -> dict[str, Any]:
             _input_file(session, tenant, body.images_file_id, "images_file_id")
         batch = batches.create_batch(session, input_file_id=record.id, endpoint=body.endpoint,
                                      completion_window=body.completion_window, model=model,
-                                     metadata=body.metadata, images_file_id=body.images_file_id, tenant=tenant)
+                                     metadata=body.metadata, images_file_id=body.images_file_id, tenant=tenant,
+                                     output_expires_seconds=body.output_expires_after.seconds
+                                     if body.output_expires_after is not None else None)
         batch_id = batch.id
     try:
         send_ingest_batch(state.celery, state.settings, batch_id)

@@ -10,6 +10,7 @@ from urllib.parse import quote
 from fastapi import APIRouter, HTTPException, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
 from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
@@ -17,6 +18,7 @@ from api.auth import TenantDep
 from api.deps import AppState, SessionDep, StateDep
 from api.errors import error_responses
 from api.upload import UploadedFile, receive_upload
+from common.file_expiry import MAX_SECONDS, MIN_SECONDS, ExpiresAfter
 from common.files import add_file, file_key, file_view, open_reader
 from common.models import Batch, BatchStatus, FileRecord, new_file_id
 from common.storage import ObjectNotFound
@@ -50,10 +52,26 @@ def get_file(session: Session, tenant: str, file_id: str) -> FileRecord:
     return record
 
 
-def add_uploaded(state: AppState, tenant: str, file_id: str, uploaded: UploadedFile) -> dict[str, Any]:
+def add_uploaded(state: AppState, tenant: str, file_id: str, uploaded: UploadedFile,
+                 expires_after: ExpiresAfter | None = None) -> dict[str, Any]:
     with state.db.session() as session:
         return file_view(add_file(session, file_id=file_id, key=uploaded.key, size=uploaded.size,
-                                  filename=uploaded.filename, purpose="batch", tenant=tenant))
+                                  filename=uploaded.filename, purpose="batch", tenant=tenant,
+                                  expires_after=expires_after))
+
+
+def _expires_after(fields: dict[str, str]) -> ExpiresAfter | None:
+    """OpenAI's client sends `expires_after={"anchor": ..., "seconds": ...}` as two form fields."""
+    given = {key[len("expires_after["):-1]: value for key, value in fields.items()
+             if key.startswith("expires_after[") and key.endswith("]")}
+    if not given:
+        return None
+    try:
+        return ExpiresAfter.model_validate(given)
+    except ValidationError as exc:
+        problem = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise SubmissionError(f"expires_after must be {{anchor: 'created_at', seconds: {MIN_SECONDS}.."
+                              f"{MAX_SECONDS}}}: {problem}") from None
 
 
 def content_type(request: Request) -> str:
@@ -70,6 +88,12 @@ async def create_file(request: Request, state: StateDep, tenant: TenantDep) -> J
     upload = await receive_upload(request, state.store, {"file": file_key(file_id, tenant)},
                                   state.settings.max_file_bytes)
     purpose = upload.fields.get("purpose")
+    try:
+        expires_after = _expires_after(upload.fields)
+    except SubmissionError:
+        if "file" in upload.files:
+            await run_in_threadpool(state.store.delete, file_key(file_id, tenant))
+        raise
     problem = ("multipart field 'file' (the file) is required" if "file" not in upload.files
                else "multipart field 'purpose' is required (vlmq accepts purpose='batch')" if purpose is None
                else f"purpose {purpose!r} is not supported: vlmq stores batch input files and image archives "
@@ -78,7 +102,8 @@ async def create_file(request: Request, state: StateDep, tenant: TenantDep) -> J
         if "file" in upload.files:
             await run_in_threadpool(state.store.delete, file_key(file_id, tenant))
         raise SubmissionError(problem)
-    return JSONResponse(await run_in_threadpool(add_uploaded, state, tenant, file_id, upload.files["file"]))
+    return JSONResponse(await run_in_threadpool(add_uploaded, state, tenant, file_id, upload.files["file"],
+                                                expires_after))
 
 
 @router.get("")

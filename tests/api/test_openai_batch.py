@@ -125,6 +125,28 @@ def text_body(text: str, max_tokens: int = 1, image: bytes | None = None) -> dic
     return {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens}
 
 
+def test_uploads_expire_as_asked_and_the_sweep_deletes_them(stack: Stack) -> None:
+    """files.create(expires_after=...) as OpenAI's client sends it; a time outside 1 hour..30 days is a 400.
+    Once past it, the maintenance sweep deletes the file, unless a batch is still ingesting it."""
+    from common.file_expiry import delete_expired_files
+    from common.models import FileRecord, utcnow
+
+    week = {"anchor": "created_at", "seconds": 7 * 24 * 3600}
+    kept = stack.client.files.create(file=("kept.jsonl", b"{}\n"), purpose="batch")
+    expiring = stack.client.files.create(file=("gone.jsonl", b"{}\n"), purpose="batch", expires_after=week)
+    assert kept.expires_at is None and expiring.expires_at == expiring.created_at + week["seconds"]
+    for bad in ({"anchor": "created_at", "seconds": 60}, {"anchor": "last_active_at", "seconds": 3600}):
+        with pytest.raises(openai.BadRequestError, match="expires_after"):
+            stack.client.files.create(file=("x.jsonl", b"{}\n"), purpose="batch", expires_after=bad)
+    db = stack.server.app.state.vlmq.db
+    with db.session() as session:  # a week passes
+        session.get(FileRecord, expiring.id).expires_at = utcnow()  # type: ignore[union-attr]
+    assert delete_expired_files(db, stack.server.app.state.vlmq.store) >= 1
+    with pytest.raises(openai.NotFoundError):
+        stack.client.files.retrieve(expiring.id)
+    assert stack.client.files.retrieve(kept.id).id == kept.id
+
+
 def test_batch_through_the_openai_client_matches_hf(stack: Stack, tiny_llava_path: Path) -> None:
     bodies = make_jobs(8, seed=11)
     bodies[1]["model"] = stack.settings.served_model_name
@@ -134,7 +156,8 @@ def test_batch_through_the_openai_client_matches_hf(stack: Stack, tiny_llava_pat
     lines.append(request_line("req-0", bodies[0]))  # duplicate custom_id
     lines.append(json.dumps({"custom_id": "wrong-url", "method": "POST", "url": "/v1/embeddings",
                              "body": {"input": "x"}}))
-    batch = stack.run(lines, metadata={"purpose": "e2e"})
+    batch = stack.run(lines, metadata={"purpose": "e2e"},
+                      output_expires_after={"anchor": "created_at", "seconds": 7 * 24 * 3600})
     assert batch.status == "validating" and batch.id.startswith("batch_") and batch.metadata == {"purpose": "e2e"}
     assert batch.endpoint == "/v1/chat/completions" and batch.completion_window == "24h"
     assert batch.expires_at == batch.created_at + 24 * 3600
@@ -148,6 +171,9 @@ def test_batch_through_the_openai_client_matches_hf(stack: Stack, tiny_llava_pat
     errors = stack.jsonl(done.error_file_id)
     out_file = stack.client.files.retrieve(done.output_file_id or "")
     assert out_file.purpose == "batch_output" and out_file.filename == f"{batch.id}_output.jsonl"
+    error_file = stack.client.files.retrieve(done.error_file_id or "")
+    for written in (out_file, error_file):  # output_expires_after: a week after each was written
+        assert written.expires_at == written.created_at + 7 * 24 * 3600
     assert sorted(e["error"]["code"] for e in errors) == ["duplicate_custom_id", "invalid_image", "invalid_json",
                                                            "invalid_url"]
     assert all(e["response"] is None and e["error"]["message"] for e in errors)

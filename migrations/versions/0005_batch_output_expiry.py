@@ -1,0 +1,28 @@
+"""batch output expiry: how long after they are written a batch's output and error files expire
+
+`output_expires_after.seconds` of POST /v1/batches, NULL (kept until deleted) for batches made before.
+
+Revision ID: 0005
+Revises: 0004
+Create Date: 2026-12-07 07:30:00
+"""
+
+from collections.abc import Sequence
+
+import sqlalchemy as sa
+from alembic import op
+
+revision: str = '0005'
+down_revision: str | None = '0004'
+branch_labels: str | Sequence[str] | None = None
+depends_on: str | Sequence[str] | None = None
+
+
+def upgrade() -> None:
+    with op.batch_alter_table('batches', schema=None) as batch_op:
+        batch_op.add_column(sa.Column('output_expires_seconds', sa.Integer(), nullable=True))
+
+
+def downgrade() -> None:
+    with op.batch_alter_table('batches', schema=None) as batch_op:
+        batch_op.drop_column('output_expires_seconds')
