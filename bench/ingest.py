@@ -154,8 +154,8 @@ def ingest_once(env: Environment, jsonl: Path, code: Path, chunk_rows: int | Non
     db = get_database(settings.database_url)
     file_id = new_file_id()
     objects = Path(settings.storage_dir)  # type: ignore[arg-type]
-    (objects / "files").mkdir(parents=True, exist_ok=True)
     key = file_key(file_id, "bench")
+    (objects / key).parent.mkdir(parents=True, exist_ok=True)
     os.link(jsonl, objects / key) if not (objects / key).exists() else None
     with db.session() as session:
         add_file(session, file_id=file_id, key=key, size=jsonl.stat().st_size, filename="in.jsonl", purpose="batch",

@@ -6,7 +6,7 @@ import json
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from common import storable
 
@@ -52,7 +52,8 @@ class StorableBody(BaseModel):
         return data
 
 
-_NULL_MEANS_DEFAULT = ("temperature", "top_p", "top_k", "n", "stream", "priority")
+_DEFAULTS: dict[str | None, Any] = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "n": 1, "stream": False,
+                                     "priority": 5}
 
 
 class ChatCompletionRequest(StorableBody):
@@ -65,21 +66,21 @@ class ChatCompletionRequest(StorableBody):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     # Greedy by default, not OpenAI's 1.0: a batch run twice gives the same answers. null means the default,
     # as OpenAI's API takes it (its client sends null for an argument given as None).
-    temperature: float | None = Field(default=0.0, ge=0.0, le=2.0, description="0 (the default): greedy.")
-    top_p: float | None = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=0, ge=0, description="vLLM-style extension; 0 disables it.")
+    temperature: float | None = Field(default=_DEFAULTS["temperature"], ge=0.0, le=2.0,
+                                      description="0 (the default): greedy.")
+    top_p: float | None = Field(default=_DEFAULTS["top_p"], gt=0.0, le=1.0)
+    top_k: int | None = Field(default=_DEFAULTS["top_k"], ge=0, description="vLLM-style extension; 0 disables it.")
     # torch seeds a generator from a 64-bit integer; JSON's integers have no bound.
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     stop: str | list[str] | None = None
     n: Literal[1] | None = 1
     stream: Literal[False] | None = False
 
-    @model_validator(mode="after")
-    def _null_means_default(self) -> ChatCompletionRequest:
-        for name in _NULL_MEANS_DEFAULT:
-            if name in type(self).model_fields and getattr(self, name) is None:
-                setattr(self, name, type(self).model_fields[name].default)
-        return self
+    # Runs only for the fields a request gives (a validator after the model cost every request ~15 us).
+    @field_validator("temperature", "top_p", "top_k", "n", "stream", mode="before")
+    @classmethod
+    def _null_means_default(cls, value: Any, info: ValidationInfo) -> Any:
+        return _DEFAULTS[info.field_name] if value is None else value
 
     @field_validator("stop")
     @classmethod
@@ -97,9 +98,14 @@ class ChatCompletionRequest(StorableBody):
 
 
 class JobCreate(ChatCompletionRequest):
-    priority: int | None = Field(default=5, ge=0, le=9, description="0 lowest .. 9 highest.")
+    priority: int | None = Field(default=_DEFAULTS["priority"], ge=0, le=9, description="0 lowest .. 9 highest.")
     metadata: dict[str, Any] | None = Field(default=None, description=(
         f"Any JSON object, echoed with the job; at most {MAX_JOB_METADATA_BYTES} bytes as JSON."))
+
+    @field_validator("priority", mode="before")
+    @classmethod
+    def _null_priority(cls, value: Any) -> Any:
+        return _DEFAULTS["priority"] if value is None else value
 
     @field_validator("metadata")
     @classmethod

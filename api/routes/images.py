@@ -7,14 +7,13 @@ from fastapi import APIRouter, File, HTTPException, UploadFile
 from api.auth import TenantDep
 from api.deps import SessionDep, SettingsDep, StorageDep
 from api.errors import error_responses
-from common.models import ImageRecord
 from common.schemas import ImageView
-from common.submission import IMAGE_ID_RE, image_public_id, owned_image, store_image
+from common.submission import IMAGE_ID_RE, StoredImage, image_public_id, owned_image, store_image
 
 router = APIRouter(prefix="/v1/images", tags=["images"])
 
 
-def image_view(record: ImageRecord) -> ImageView:
+def image_view(record: StoredImage) -> ImageView:
     return ImageView(id=image_public_id(record.id), sha256=record.id, format=record.format, width=record.width,
                      height=record.height, bytes=record.size_bytes, created_at=record.created_at)
 
