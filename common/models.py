@@ -257,6 +257,7 @@ class BatchLineError(Base):
     custom_id: Mapped[str | None] = mapped_column(String(512), nullable=True)
     code: Mapped[str] = mapped_column(String(64))
     message: Mapped[str] = mapped_column(Text)
+    param: Mapped[str | None] = mapped_column(String(64), nullable=True)  # the line's field at fault
 
 
 class BatchImage(Base):

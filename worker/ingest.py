@@ -185,7 +185,7 @@ def _ingest_chunk(
     if errors:
         session.execute(insert(BatchLineError), [
             {"batch_id": run.batch_id, "line": e.line, "custom_id": e.custom_id, "code": e.code,
-             "message": e.message[:4000]} for e in errors
+             "message": e.message[:4000], "param": e.param} for e in errors
         ])
     if not batches.advance_ingestion(session, run.batch_id, from_line=done_line, last_line=last, requests=taken,
                                      refused=len(errors)):
@@ -254,7 +254,7 @@ def _conclude(deps: IngestDeps, batch_id: str) -> str:
                 select(BatchLineError).where(BatchLineError.batch_id == batch_id)
                 .order_by(BatchLineError.line).limit(MAX_LISTED_ERRORS)
             )
-            errors = [LineError(e.line, e.custom_id, e.code, e.message, None).as_batch_error() for e in listed]
+            errors = [LineError(e.line, e.custom_id, e.code, e.message, e.param).as_batch_error() for e in listed]
             if batch.refused_requests > MAX_LISTED_ERRORS:
                 errors.append({"code": "too_many_errors", "line": None, "param": None,
                                "message": f"{batch.refused_requests - MAX_LISTED_ERRORS} more lines were refused"})

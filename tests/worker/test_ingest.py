@@ -446,13 +446,19 @@ def test_ingest_and_finalize_on_sqlite_and_a_local_folder(tmp_path: Path) -> Non
     # A batch none of whose lines can run fails at ingestion; its error file lists them all, at once: the
     # finalizer wrote it in sessions of its own while its first still held SQLite's write lock, and waited out
     # the busy timeout on every attempt.
-    refused = make_batch(db, store, b"not json\n" + line("x", model="another-model").encode())
+    no_custom_id = json.dumps({"method": "POST", "url": "/v1/chat/completions", "body": {}})
+    refused = make_batch(db, store, b"not json\n" + line("x", model="another-model").encode() + b"\n"
+                         + no_custom_id.encode())
     assert ingest_batch(refused, IngestDeps(local, db, store, Recorder())) == "failed"
     started = time.monotonic()
     assert finalize_batch(refused, db, store) == "failed"
     assert time.monotonic() - started < 5
     errors = _read_jsonl(store, db, get_batch(db, refused).error_file_id or "")
-    assert [e["custom_id"] for e in errors] == [None, "x"]
+    assert [e["custom_id"] for e in errors] == [None, "x", None]
+    # The batch's errors name the field at fault where the line's check knew it, as OpenAI's do.
+    listed = get_batch(db, refused).errors or []
+    assert [(e["code"], e["param"]) for e in listed] == [("invalid_json", None), ("model_not_found", None),
+                                                         ("missing_custom_id", "custom_id")]
     db.dispose()
 
 

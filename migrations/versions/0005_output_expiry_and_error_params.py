@@ -1,6 +1,8 @@
-"""batch output expiry: how long after they are written a batch's output and error files expire
+"""batch output expiry, and the field at fault in a refused batch line
 
-`output_expires_after.seconds` of POST /v1/batches, NULL (kept until deleted) for batches made before.
+batches.output_expires_seconds: `output_expires_after.seconds` of POST /v1/batches, NULL (kept until deleted)
+for batches made before. batch_line_errors.param: the line's field at fault (`custom_id`, `body`, ...), shown
+as `param` in a failed batch's errors; NULL for lines refused before.
 
 Revision ID: 0005
 Revises: 0004
@@ -21,8 +23,12 @@ depends_on: str | Sequence[str] | None = None
 def upgrade() -> None:
     with op.batch_alter_table('batches', schema=None) as batch_op:
         batch_op.add_column(sa.Column('output_expires_seconds', sa.Integer(), nullable=True))
+    with op.batch_alter_table('batch_line_errors', schema=None) as batch_op:
+        batch_op.add_column(sa.Column('param', sa.String(length=64), nullable=True))
 
 
 def downgrade() -> None:
+    with op.batch_alter_table('batch_line_errors', schema=None) as batch_op:
+        batch_op.drop_column('param')
     with op.batch_alter_table('batches', schema=None) as batch_op:
         batch_op.drop_column('output_expires_seconds')
