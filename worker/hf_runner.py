@@ -17,7 +17,7 @@ import copy
 import inspect
 import secrets
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -156,8 +156,10 @@ class HFBatchRunner:
                 encoded = dict(prompt.encoded)
         else:
             encoded = dict(prompt.encoded)
-        return PreparedRequest(request=req, input_ids=prompt.input_ids, image_inputs=image_inputs,
-                               max_new_tokens=max_new, encoded=encoded)
+        # Without the decoded images: the processor's outputs hold the pixels, and the decoded ones would
+        # outlive the worker's pixel budget (worker/pixel_budget.py) while the request waits and runs.
+        return PreparedRequest(request=replace(req, images=[]), input_ids=prompt.input_ids,
+                               image_inputs=image_inputs, max_new_tokens=max_new, encoded=encoded)
 
     @staticmethod
     def _split_per_image(encoded: Any, n_images: int) -> list[dict[str, torch.Tensor]]:

@@ -83,7 +83,10 @@ def _reference(loaded: LoadedModel, req: GenerationRequest) -> tuple[list[int], 
 
 
 def _run(runner: HFBatchRunner, requests: list[GenerationRequest]) -> list[GenerationResult]:
-    return runner.generate([runner.prepare(r) for r in requests])
+    prepared = [runner.prepare(r) for r in requests]
+    # The processor's outputs hold the pixels: the decoded images are not kept while requests wait and run.
+    assert all(p.request.images == [] for p in prepared)
+    return runner.generate(prepared)
 
 
 def test_batched_greedy_matches_single_request_generate(loaded: LoadedModel, runner: HFBatchRunner) -> None:

@@ -57,7 +57,8 @@ def prepare_input(loaded: LoadedModel, family: ModelFamily, req: GenerationReque
 
 
 def without_decoded_images(prepared: PreparedInput) -> PreparedInput:
-    """For another process: the pixels are in image_inputs, so the decoded images need not cross the pipe."""
+    """The pixels are in image_inputs: the decoded images need not cross a pipe to another process, nor stay
+    in memory while the request waits and runs."""
     return replace(prepared, request=replace(prepared.request, images=[]))
 
 
@@ -159,7 +160,9 @@ class ModelRunner:
     # ------------------------------------------------------------------ caller's thread
 
     def prepare(self, req: GenerationRequest) -> PreparedInput:
-        return prepare_input(self.loaded, self.family, req)
+        # The decoded images are in image_inputs now; kept, they would outlive the worker's pixel budget
+        # (worker/pixel_budget.py) for as long as the request runs.
+        return without_decoded_images(prepare_input(self.loaded, self.family, req))
 
     # ------------------------------------------------------------------ engine thread
 

@@ -298,16 +298,16 @@ def test_a_sliding_window_caps_the_context_and_tokens_match_hf(tiny_llava_path: 
         [_image(rng)] if i % 2 else [], SamplingParams(max_tokens=64)) for i in range(4)]
     fits = [engine.prepare(r) for r in requests]
     assert all(len(p.prompt_token_ids) < 40 for p in fits)
+    assert all(p.request.images == [] for p in fits)  # the decoded images are not held while requests run
     for p in fits:
         engine.add_request(p)
     results = {r.request_id: r for r in _drain(engine)}
     reference_model = load_model(str(path))  # the engine's copy attends through its paged cache
-    for p in fits:
-        got = results[p.request.request_id]
+    for req in requests:
+        got = results[req.request_id]
         assert got.prompt_tokens + got.completion_tokens <= 48
-        tokens, margins = hf_greedy_with_margins(reference_model, p.request.messages, p.request.images,
-                                                 got.completion_tokens)
-        assert_greedy_matches(got.token_ids, tokens, margins, p.request.request_id)
+        tokens, margins = hf_greedy_with_margins(reference_model, req.messages, req.images, got.completion_tokens)
+        assert_greedy_matches(got.token_ids, tokens, margins, req.request_id)
         assert got.finish_reason == "length" or got.token_ids[-1] in loaded.eos_token_ids
     long = replace(requests[0], request_id="long", messages=[{"role": "user", "content": "word " * 60}])
     assert any(results[p.request.request_id].finish_reason == "length" for p in fits)
