@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import bindparam, select, text
+from sqlalchemy import bindparam, event, select, text
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -166,6 +166,20 @@ class KnownImages:
 
 
 known_images = KnownImages()
+# Pairs a session saw owned, remembered once its transaction commits: the read may have seen the session's own
+# uncommitted rows (an image stored by an earlier part of the same request), which a rollback takes away.
+_SEEN_OWNED = "vlmq_seen_owned_images"
+
+
+@event.listens_for(Session, "after_commit")
+def _remember_seen_owned(session: Session) -> None:
+    for key, pixels in session.info.pop(_SEEN_OWNED, ()):
+        known_images.add(key, pixels)
+
+
+@event.listens_for(Session, "after_rollback")
+def _forget_seen_owned(session: Session) -> None:
+    session.info.pop(_SEEN_OWNED, None)
 
 
 def _known_image(url: str, tenant: str) -> ResolvedImage | None:
@@ -183,7 +197,7 @@ def _resolve_image(url: str, session: Session, store: ObjectStore, settings: Set
             raise SubmissionError(f"unknown image id {url!r}: upload it with POST /v1/images first", 400,
                                   "unknown_image")
         resolved = ResolvedImage.of(record)
-        known_images.add((tenant, resolved.sha256), resolved.pixels)  # committed rows: this read saw them
+        session.info.setdefault(_SEEN_OWNED, []).append(((tenant, resolved.sha256), resolved.pixels))
         return resolved
     if url.startswith("data:"):
         try:

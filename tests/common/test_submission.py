@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ from common.migrate import upgrade
 from common.schemas import ChatCompletionRequest, JobCreate
 from common.settings import Settings
 from common.storage import make_store
-from common.submission import SubmissionError, normalize_request, store_image
+from common.submission import SubmissionError, needs_session, normalize_request, owned_image, store_image
 from tests.api.test_jobs_api import chat_body, data_url, png_bytes
 
 
@@ -58,3 +59,25 @@ def test_openai_nulls_mean_the_defaults_and_a_developer_message_is_a_system_mess
     assert stored["sampling"]["temperature"] == 0.0 and stored["sampling"]["top_p"] == 1.0
     with pytest.raises(ValidationError):
         JobCreate.model_validate({**body, "n": 2})
+
+
+def test_an_image_id_is_remembered_only_once_its_rows_are_committed(tmp_path: Path) -> None:
+    """A request that stores an image as bytes and names it by id, then is refused, leaves no rows behind; the
+    process must not remember the tenant as its owner, or a later job would skip the lookup."""
+    settings = Settings(data_dir=tmp_path)
+    upgrade(settings.database_url)
+    db, store = get_database(settings.database_url), make_store(settings)
+    image = png_bytes((9, 8, 7), size=(11, 13))
+    image_id = "img_" + hashlib.sha256(image).hexdigest()
+    refused = _request(data_url(image), image_id)
+    refused.max_tokens = 10**9  # over the server's limit: refused after both images were resolved
+    with pytest.raises(SubmissionError, match="max_tokens"), db.session() as session:
+        normalize_request(refused, session, store, settings, tenant="acme")
+    assert needs_session(_request(image_id), "acme")
+    with db.session() as session:
+        assert owned_image(session, "acme", image_id[4:]) is None
+        with pytest.raises(SubmissionError, match="unknown image id"):
+            normalize_request(_request(image_id), session, store, settings, tenant="acme")
+    with db.session() as session:  # committed this time: remembered
+        normalize_request(_request(data_url(image), image_id), session, store, settings, tenant="acme")
+    assert not needs_session(_request(image_id), "acme")
