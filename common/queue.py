@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -37,7 +38,11 @@ def ingest_queue(settings: Settings) -> str:
     """Where batch tasks (ingest, finalize, cancel, sweep) go. A queue of their own in embedded mode too: the
     memory:// broker ignores priorities, so behind a model queue's backlog a batch's cancel waited for every
     job sent before it (896 of 1,000 ran after the cancel was accepted); the embedded worker consumes both,
-    taking from each in turn."""
+    taking from each in turn. The memory broker's queues are shared by the whole process, so there the name
+    carries the data folder: another embedded setup in the process must not take this one's batch tasks."""
+    if settings.embedded_broker:
+        folder = hashlib.sha256(str(settings.data_dir.expanduser().resolve()).encode()).hexdigest()[:12]
+        return f"{INGEST_QUEUE}.{folder}"
     return INGEST_QUEUE
 
 
