@@ -182,7 +182,7 @@ class FileRecord(Base):
     purpose: Mapped[str] = mapped_column(String(32))  # batch (uploads) or batch_output (what we write)
     status: Mapped[str] = mapped_column(String(16), default="processed")
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
-    expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True, index=True)
 
 
 class BatchStatus(enum.StrEnum):

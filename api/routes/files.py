@@ -64,6 +64,9 @@ def _expires_after(fields: dict[str, str]) -> ExpiresAfter | None:
     """OpenAI's client sends `expires_after={"anchor": ..., "seconds": ...}` as two form fields."""
     given = {key[len("expires_after["):-1]: value for key, value in fields.items()
              if key.startswith("expires_after[") and key.endswith("]")}
+    if "expires_after" in fields:
+        raise SubmissionError("expires_after must be sent as the fields expires_after[anchor] and "
+                              "expires_after[seconds], as OpenAI's client sends it")
     if not given:
         return None
     try:

@@ -2,8 +2,9 @@
 
 An image is stored once, under its content hash, whoever sends it; from now on a tenant may look up or name
 by id only the images it stored. Ownership of images stored before is recovered from what refers to them: the
-jobs whose requests name them and the archives of batches. An image uploaded (POST /v1/images) and never used
-has no owner after this; uploading it again, which is idempotent, makes its uploader the owner.
+jobs whose requests name them and the archives of batches, each owned since the first of them was made. An
+image uploaded (POST /v1/images) and never used has no owner after this; uploading it again, which is
+idempotent, makes its uploader the owner.
 
 Revision ID: 0004
 Revises: 0003
@@ -24,31 +25,35 @@ depends_on: str | Sequence[str] | None = None
 _FROM_JOBS = {
     'postgresql': """
         INSERT INTO image_owners (tenant, image_id, created_at)
-        SELECT DISTINCT jobs.tenant, part ->> 'image_id', now()
+        SELECT jobs.tenant, part ->> 'image_id', min(jobs.created_at)
         FROM jobs, json_array_elements(jobs.request -> 'messages') AS message,
              json_array_elements(message -> 'content') AS part
         WHERE part ->> 'type' = 'image' AND part ->> 'image_id' IS NOT NULL
+        GROUP BY 1, 2
         ON CONFLICT DO NOTHING""",
     'sqlite': """
         INSERT OR IGNORE INTO image_owners (tenant, image_id, created_at)
-        SELECT DISTINCT jobs.tenant, json_extract(part.value, '$.image_id'), datetime('now')
+        SELECT jobs.tenant, json_extract(part.value, '$.image_id'), min(jobs.created_at)
         FROM jobs, json_each(jobs.request, '$.messages') AS message,
              json_each(message.value, '$.content') AS part
         WHERE json_extract(part.value, '$.type') = 'image'
-          AND json_extract(part.value, '$.image_id') IS NOT NULL""",
+          AND json_extract(part.value, '$.image_id') IS NOT NULL
+        GROUP BY 1, 2""",
 }
 _FROM_ARCHIVES = {
     'postgresql': """
         INSERT INTO image_owners (tenant, image_id, created_at)
-        SELECT DISTINCT batches.tenant, batch_images.image_id, now()
+        SELECT batches.tenant, batch_images.image_id, min(batches.created_at)
         FROM batch_images JOIN batches ON batches.id = batch_images.batch_id
         WHERE batch_images.image_id IS NOT NULL
+        GROUP BY 1, 2
         ON CONFLICT DO NOTHING""",
     'sqlite': """
         INSERT OR IGNORE INTO image_owners (tenant, image_id, created_at)
-        SELECT DISTINCT batches.tenant, batch_images.image_id, datetime('now')
+        SELECT batches.tenant, batch_images.image_id, min(batches.created_at)
         FROM batch_images JOIN batches ON batches.id = batch_images.batch_id
-        WHERE batch_images.image_id IS NOT NULL""",
+        WHERE batch_images.image_id IS NOT NULL
+        GROUP BY 1, 2""",
 }
 
 

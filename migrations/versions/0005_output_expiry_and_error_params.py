@@ -1,4 +1,4 @@
-"""batch output expiry, and the field at fault in a refused batch line
+"""batch output expiry, the field at fault in a refused batch line, and an index for expired files
 
 batches.output_expires_seconds: `output_expires_after.seconds` of POST /v1/batches, NULL (kept until deleted)
 for batches made before. batch_line_errors.param: the line's field at fault (`custom_id`, `body`, ...), shown
@@ -25,9 +25,13 @@ def upgrade() -> None:
         batch_op.add_column(sa.Column('output_expires_seconds', sa.Integer(), nullable=True))
     with op.batch_alter_table('batch_line_errors', schema=None) as batch_op:
         batch_op.add_column(sa.Column('param', sa.String(length=64), nullable=True))
+    with op.batch_alter_table('files', schema=None) as batch_op:
+        batch_op.create_index(batch_op.f('ix_files_expires_at'), ['expires_at'], unique=False)
 
 
 def downgrade() -> None:
+    with op.batch_alter_table('files', schema=None) as batch_op:
+        batch_op.drop_index(batch_op.f('ix_files_expires_at'))
     with op.batch_alter_table('batch_line_errors', schema=None) as batch_op:
         batch_op.drop_column('param')
     with op.batch_alter_table('batches', schema=None) as batch_op:

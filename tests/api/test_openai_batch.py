@@ -138,6 +138,9 @@ def test_uploads_expire_as_asked_and_the_sweep_deletes_them(stack: Stack) -> Non
     for bad in ({"anchor": "created_at", "seconds": 60}, {"anchor": "last_active_at", "seconds": 3600}):
         with pytest.raises(openai.BadRequestError, match="expires_after"):
             stack.client.files.create(file=("x.jsonl", b"{}\n"), purpose="batch", expires_after=bad)
+    flat = stack.http.post("/v1/files", files={"file": ("x.jsonl", b"{}\n")},
+                           data={"purpose": "batch", "expires_after": "3600"})
+    assert flat.status_code == 400 and "expires_after[seconds]" in flat.json()["error"]["message"]
     db = stack.server.app.state.vlmq.db
     with db.session() as session:  # a week passes
         session.get(FileRecord, expiring.id).expires_at = utcnow()  # type: ignore[union-attr]

@@ -10,10 +10,11 @@ import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import MetaData, Table, inspect, text
+from sqlalchemy.orm import Session
 
 from common.db import make_engine
 from common.migrate import upgrade
-from common.models import Base
+from common.models import Base, ImageOwner
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -70,10 +71,11 @@ def test_image_owners_are_recovered_from_jobs_and_archives(url: str) -> None:
         jobs, batch_images, batches, images = (tables.tables[name] for name in
                                                ("jobs", "batch_images", "batches", "images"))
         image = {"type": "image", "image_id": "a" * 64}
+        first_use = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
         with engine.begin() as conn:
             conn.execute(images.insert(), [_row(images, id=c * 64) for c in "abcd"])
             conn.execute(jobs.insert(), [
-                _row(jobs, id="job_1", tenant="t1", request={"messages": [
+                _row(jobs, id="job_1", tenant="t1", created_at=first_use, request={"messages": [
                     {"role": "user", "content": [{"type": "text", "text": "hi"}, image]},
                     {"role": "user", "content": [{"type": "image", "image_id": "b" * 64}]}]}),
                 _row(jobs, id="job_2", tenant="t2", request={"messages": [{"role": "user", "content": [image]}]}),
@@ -89,6 +91,9 @@ def test_image_owners_are_recovered_from_jobs_and_archives(url: str) -> None:
         with engine.connect() as conn:
             owners = {tuple(row) for row in conn.execute(text("SELECT tenant, image_id FROM image_owners"))}
         assert owners == {("t1", "a" * 64), ("t1", "b" * 64), ("t2", "a" * 64), ("t3", "c" * 64)}
+        with Session(engine) as session:  # owned since the tenant's first job that named it
+            owner = session.get(ImageOwner, ("t1", "a" * 64))
+            assert owner is not None and owner.created_at == first_use
     finally:
         engine.dispose()
 
