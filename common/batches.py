@@ -196,6 +196,12 @@ def ready_after_job(session: Session, job_id: str) -> str | None:
     return session.scalar(stmt)
 
 
+def validating_since(session: Session, before: datetime) -> list[str]:
+    """Batches created before `before` and still being ingested (or waiting for their ingestion to start)."""
+    return list(session.scalars(select(Batch.id).where(Batch.status == BatchStatus.VALIDATING,
+                                                       Batch.created_at < before)))
+
+
 def due_for_finalize(session: Session, stale_after: timedelta = timedelta(minutes=10)) -> list[str]:
     """Batches a finalize trigger may have missed: running or cancelling with no open job, or stuck in
     finalizing (a finalizer died and its message was lost)."""

@@ -16,7 +16,7 @@ from typing import Any
 
 import redis
 
-from common.queue import TASK_RUN_JOB
+from common.queue import INGEST_QUEUE, TASK_INGEST_BATCH, TASK_RUN_JOB
 
 log = logging.getLogger(__name__)
 
@@ -29,22 +29,32 @@ class BrokerNotInspectable(Exception):
     """This broker cannot be listed (not Redis): the republisher leaves its jobs alone."""
 
 
-def _job_ids(message: Any) -> list[str]:
-    """The job ids a kombu message (dict) carries, if it is a run_job message: one id, or a list of them."""
+def _first_arg(message: Any, task: str) -> Any:
+    """The first argument of a kombu message (dict) of `task`, else None."""
     if not isinstance(message, dict):
-        return []
+        return None
     headers = message.get("headers") or {}
-    if headers.get("task") != TASK_RUN_JOB:
-        return []
+    if headers.get("task") != task:
+        return None
     try:
         body = message.get("body")
         if message.get("properties", {}).get("body_encoding") == "base64":
             body = base64.b64decode(body)
-        first = json.loads(body)[0][0]
+        return json.loads(body)[0][0]
     except (ValueError, TypeError, IndexError, KeyError):
-        return []
+        return None
+
+
+def _job_ids(message: Any) -> list[str]:
+    """The job ids a kombu message (dict) carries, if it is a run_job message: one id, or a list of them."""
+    first = _first_arg(message, TASK_RUN_JOB)
     ids = first if isinstance(first, list) else [first]
     return [job_id for job_id in ids if isinstance(job_id, str)]
+
+
+def _ingested_batch_ids(message: Any) -> list[str]:
+    batch_id = _first_arg(message, TASK_INGEST_BATCH)
+    return [batch_id] if isinstance(batch_id, str) else []
 
 
 def live_job_ids(broker_url: str, queue_prefix: str = "jobs.", unacked_max_age: float | None = None) -> set[str]:
@@ -53,6 +63,16 @@ def live_job_ids(broker_url: str, queue_prefix: str = "jobs.", unacked_max_age: 
     With `unacked_max_age`, an unacked message delivered longer ago than that does not count: the worker
     that took it may have been killed before it claimed the job, and Redis would hold the message until the
     visibility timeout (hours). If that worker lives, the message sent again is a duplicate the claim drops."""
+    return _live(broker_url, queue_prefix, unacked_max_age, _job_ids)
+
+
+def live_ingested_batch_ids(broker_url: str) -> set[str]:
+    """Ids of batches with an ingest_batch message queued or unacked (however long ago it was taken: an
+    ingestion may run for many minutes) in the Redis broker at `broker_url`."""
+    return _live(broker_url, INGEST_QUEUE, None, _ingested_batch_ids)
+
+
+def _live(broker_url: str, queue_prefix: str, unacked_max_age: float | None, ids_of: Any) -> set[str]:
     if not broker_url.startswith(("redis://", "rediss://")):
         raise BrokerNotInspectable(broker_url.split("://", 1)[0])
     client = redis.Redis.from_url(broker_url)
@@ -62,7 +82,7 @@ def live_job_ids(broker_url: str, queue_prefix: str = "jobs.", unacked_max_age: 
             if client.type(key) != b"list":
                 continue
             for raw in client.lrange(key, 0, -1):
-                ids.update(_parse(raw))
+                ids.update(_parse(raw, ids_of))
         recent: set[bytes] | None = None
         if unacked_max_age is not None:
             recent = set(client.zrangebyscore(UNACKED_INDEX_KEY, time.time() - unacked_max_age, "+inf"))
@@ -74,14 +94,14 @@ def live_job_ids(broker_url: str, queue_prefix: str = "jobs.", unacked_max_age: 
             except ValueError:
                 continue
             if isinstance(envelope, list) and envelope:
-                ids.update(_job_ids(envelope[0]))
+                ids.update(ids_of(envelope[0]))
         return ids
     finally:
         client.close()
 
 
-def _parse(raw: bytes) -> list[str]:
+def _parse(raw: bytes, ids_of: Any) -> list[str]:
     try:
-        return _job_ids(json.loads(raw))
+        return ids_of(json.loads(raw))  # type: ignore[no-any-return]
     except ValueError:
         return []

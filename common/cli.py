@@ -65,12 +65,15 @@ def api(
     if settings.embedded_broker:
         upgrade(settings.database_url)  # embedded: there is no separate migrate step
         from common.queue import make_celery
-        from worker.embedded import embedded_worker
+        from worker.embedded import embedded_worker, resume_ingestions
 
         fastapi_app = create_app(settings)
         celery_app = make_celery(settings)
         fastapi_app.state.vlmq.celery = celery_app  # the API and the worker must share the in-memory broker
         with embedded_worker(celery_app, settings):
+            if resumed := resume_ingestions(celery_app, settings):
+                logging.getLogger("vlmq").warning("resumed the ingestion of %d batches an earlier process left",
+                                                  resumed)
             _started(settings)
             uvicorn.run(fastapi_app, host=host, port=port, log_config=uvicorn_log_config(settings.log_format))
         return

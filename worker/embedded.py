@@ -18,10 +18,10 @@ from celery.worker import WorkController
 from celery.worker import state as worker_state
 from sqlalchemy import update
 
-from common import jobs
+from common import batches, jobs
 from common.db import get_database
-from common.models import Job, JobStatus
-from common.queue import ingest_queue, send_sweep_batches
+from common.models import Job, JobStatus, utcnow
+from common.queue import ingest_queue, send_ingest_batch, send_sweep_batches
 from common.settings import Settings
 from worker.context import get_context
 from worker.tasks import register_tasks
@@ -89,6 +89,16 @@ def take_over(settings: Settings) -> tuple[int, int]:
             update(Job).where(Job.status == JobStatus.QUEUED, Job.dispatched_at.is_not(None))
             .values(dispatched_at=None).execution_options(synchronize_session=False)).rowcount
     return resent, running
+
+
+def resume_ingestions(app: Celery, settings: Settings) -> int:
+    """Send ingest_batch again for every batch still validating: their messages died with the in-memory broker
+    of the process before. For `vlmq api`; `vlmq run` ingests the batch it resumes itself."""
+    with get_database(settings.database_url).session() as session:
+        waiting = batches.validating_since(session, utcnow())
+    for batch_id in waiting:
+        send_ingest_batch(app, settings, batch_id)
+    return len(waiting)
 
 
 @contextmanager

@@ -19,6 +19,7 @@ from celery.signals import task_received
 from common import batches, dispatch, jobs
 from common.db import Database, get_database
 from common.debounce import Debouncer
+from common.models import utcnow
 from common.queue import (
     TASK_CANCEL_BATCH,
     TASK_FINALIZE_BATCH,
@@ -28,6 +29,7 @@ from common.queue import (
     app_settings,
     model_sender,
     send_finalize_batch,
+    send_ingest_batch,
     send_run_jobs,
 )
 from common.settings import Settings, get_settings
@@ -154,6 +156,7 @@ def register_tasks(app: Celery) -> None:
             log.info("reaped expired leases: %d requeued, %d dead", len(reaped[jobs.JobStatus.QUEUED]),
                      len(reaped[jobs.JobStatus.DEAD]))
         _republish_lost(ctx)
+        _resend_lost_ingestions(app, ctx)
         dispatch.top_up_all(ctx.db, ctx.settings.dispatch_window, model_sender(app, ctx.settings))
         for batch_id in expire_due(ctx.db):
             log.info("batch %s expired: %d open jobs cancelled", batch_id, expire_batch(batch_id, ctx.db))
@@ -207,6 +210,28 @@ def _republish_lost(ctx: BatchContext) -> None:
     lost = dispatch.lost_messages(ctx.db, live, timedelta(seconds=ctx.settings.republish_grace_seconds))
     if lost:
         log.warning("%d queued jobs had no message in the broker; sending them again", len(lost))
+
+
+def _resend_lost_ingestions(app: Celery, ctx: BatchContext) -> None:
+    """Batches still validating whose ingest_batch message the broker lost (a Redis restart without
+    persistence) get it again; they would otherwise wait, unread, until their completion window expired. A
+    message sent twice is harmless: ingestion resumes after the last committed chunk, and two ingesters of
+    one batch cannot both commit the same chunk (batches.advance_ingestion)."""
+    from common.broker_messages import BrokerNotInspectable, live_ingested_batch_ids
+
+    try:
+        live = live_ingested_batch_ids(ctx.settings.broker_url)
+    except BrokerNotInspectable:
+        return  # embedded mode: `vlmq api` sends them again at start (worker/embedded.resume_ingestions)
+    except Exception:
+        log.exception("could not list the broker's messages; lost ingestions not looked for this round")
+        return
+    cutoff = utcnow() - timedelta(seconds=ctx.settings.republish_grace_seconds)
+    with ctx.db.session() as session:
+        lost = [b for b in batches.validating_since(session, cutoff) if b not in live]
+    for batch_id in lost:
+        log.warning("batch %s: its ingestion message was lost; sending it again", batch_id)
+        send_ingest_batch(app, ctx.settings, batch_id)
 
 
 def _after_job(app: Celery, db: Database, settings: Settings, job_id: str, outcome: Outcome) -> None:

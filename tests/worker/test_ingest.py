@@ -388,6 +388,38 @@ def test_the_sweep_that_expires_a_batch_sends_its_finalize(settings: Settings, d
     assert finalize_batch(batch_id, db, store) == "expired"
 
 
+def test_the_sweep_resends_an_ingestion_the_broker_lost(settings: Settings, db: Database, store: ObjectStore
+                                                        ) -> None:
+    """A batch still validating with no ingest_batch message queued or taken (Redis restarted empty) gets one
+    again; one whose message is queued, or taken by a worker and not yet acked, does not."""
+    import redis
+
+    from common.queue import TASK_INGEST_BATCH, TASK_SWEEP_BATCHES, make_celery, send_ingest_batch
+    from tests.api.test_jobs_api import _messages
+    from worker.tasks import register_tasks
+
+    lost, queued, taken = (make_batch(db, store, line(f"{name}0").encode()) for name in ("lost", "queued", "taken"))
+    with held_redis_db() as broker_url:
+        local = settings.model_copy(update={"broker_url": broker_url, "republish_grace_seconds": 0.0})
+        app = make_celery(local)
+        register_tasks(app)
+        for batch_id in (queued, taken):
+            send_ingest_batch(app, local, batch_id)
+        client = redis.Redis.from_url(broker_url)
+        key = next(k for k in client.keys("ingest*") if client.type(k) == b"list")
+        for raw in client.lrange(key, 0, -1):  # a worker took `taken`'s message: kombu keeps it in `unacked`
+            if repr([taken]) in raw.decode():
+                client.lrem(key, 1, raw)
+                client.hset("unacked", "tag-1", b"[" + raw + b', "", "ingest"]')
+        swept = app.tasks[TASK_SWEEP_BATCHES].apply()
+        assert swept.successful(), swept.traceback
+        sent = [(m["headers"]["task"], m["headers"]["argsrepr"]) for m in _messages(local, "ingest")]
+        client.close()
+    assert [t for t, args in sent if args == repr([lost])] == [TASK_INGEST_BATCH]
+    assert [t for t, args in sent if args == repr([queued])] == [TASK_INGEST_BATCH]  # the one sent, only
+    assert not [t for t, args in sent if args == repr([taken])]
+
+
 def test_a_batch_whose_jobs_all_ended_completes_past_its_window(settings: Settings, db: Database,
                                                                   store: ObjectStore) -> None:
     """The last job ended before the sweep saw the window close: the batch finishes `completed`, not
