@@ -305,7 +305,7 @@ def _prepare_api(env: Environment) -> tuple[str, str]:
     from common.apikeys import create_key
     from common.db import get_database
     from common.storage import make_store
-    from common.submission import image_public_id, store_image
+    from common.stored_images import image_public_id, store_image
 
     settings = env.settings()
     db = get_database(settings.database_url)

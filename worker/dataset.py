@@ -29,7 +29,8 @@ from common.models import Batch, BatchImage, BatchStatus, FileRecord, utcnow
 from common.schemas import ChatCompletionRequest, ImagePart
 from common.settings import Settings
 from common.storage import ObjectNotFound, ObjectStore
-from common.submission import IMAGE_ID_RE, SubmissionError, image_public_id, store_image
+from common.stored_images import IMAGE_ID_RE, image_public_id, store_image
+from common.submission import SubmissionError
 from worker import archive
 from worker.archive import Member, normalize_path
 

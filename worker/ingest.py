@@ -31,10 +31,11 @@ from common.batch_input import LineError, duplicate_error, iter_lines, parse_lin
 from common.db import Database
 from common.files import open_reader
 from common.image_cache import ImageCache
+from common.image_refs import ResolvedImage
 from common.models import Batch, BatchLineError, BatchStatus, FileRecord, Job, JobStatus, new_id, utcnow
 from common.settings import Settings
 from common.storage import ObjectNotFound, ObjectStore
-from common.submission import ResolvedImage, SubmissionError, normalize_request, resolve_model
+from common.submission import SubmissionError, normalize_request, resolve_model
 from worker.dataset import DatasetError, index_archive, iter_csv_lines, resolve_paths
 
 log = logging.getLogger(__name__)

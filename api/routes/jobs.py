@@ -23,7 +23,8 @@ from common.models import Job, JobStatus
 from common.queue import send_finalize_batch, send_run_job
 from common.schemas import JobCreate, JobList, JobView
 from common.storage import ObjectNotFound
-from common.submission import SubmissionError, image_public_id, job_fields, needs_session, store_image, submit_job
+from common.stored_images import image_public_id, store_image
+from common.submission import SubmissionError, job_fields, needs_session, submit_job
 from common.views import job_view
 
 log = logging.getLogger(__name__)

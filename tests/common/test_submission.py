@@ -13,7 +13,8 @@ from common.migrate import upgrade
 from common.schemas import ChatCompletionRequest, JobCreate
 from common.settings import Settings
 from common.storage import make_store
-from common.submission import SubmissionError, needs_session, normalize_request, owned_image, store_image
+from common.stored_images import owned_image, store_image
+from common.submission import SubmissionError, needs_session, normalize_request
 from tests.api.test_jobs_api import chat_body, data_url, png_bytes
 
 

@@ -21,7 +21,7 @@ from common.files import add_file, file_key
 from common.models import Batch, BatchLineError, new_file_id
 from common.settings import Settings
 from common.storage import ObjectStore, make_store
-from common.submission import owned_image
+from common.stored_images import owned_image
 from tests.api.test_jobs_api import png_bytes
 from tests.conftest import settings_from_env
 from tests.worker.test_ingest import MODEL, Recorder, batch_jobs, get_batch, line_errors

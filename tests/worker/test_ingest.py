@@ -25,7 +25,7 @@ from common.migrate import upgrade
 from common.models import Batch, BatchLineError, FileRecord, Job, new_file_id
 from common.settings import Settings
 from common.storage import ObjectStore, make_store, result_key
-from common.submission import owned_image, store_image
+from common.stored_images import owned_image, store_image
 from common.views import chat_completion
 from tests.api.test_jobs_api import data_url, png_bytes
 from tests.conftest import held_redis_db, settings_from_env

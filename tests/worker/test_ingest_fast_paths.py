@@ -15,7 +15,8 @@ from common.migrate import upgrade
 from common.models import ImageOwner, ImageRecord, Job
 from common.settings import Settings
 from common.storage import ObjectStore, make_store
-from common.submission import SubmissionError, owned_image, store_image
+from common.stored_images import owned_image, store_image
+from common.submission import SubmissionError
 from tests.api.test_jobs_api import png_bytes
 from tests.conftest import settings_from_env
 from tests.worker.test_ingest import MODEL, Recorder, batch_jobs, get_batch, line, line_errors, make_batch

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from common.submission import KnownImages
+from common.image_refs import KnownImages
 
 
 def test_known_images_keep_the_most_recently_used() -> None:
