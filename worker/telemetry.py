@@ -60,7 +60,6 @@ class WorkerTelemetry:
         self.prepare_pool = prepare_pool
         self.jobs: Counter[str] = Counter()  # this process's run_job outcomes by status
         self._lock = threading.Lock()
-        self._vision_seen = 0
         self._vision_buckets = [0] * (len(VISION_BATCH_BUCKETS) + 1)
         self._vision_sum = 0
         self._last: tuple[float, float, int] | None = None  # (time, generated tokens, jobs done)
@@ -113,7 +112,11 @@ class WorkerTelemetry:
         """Cumulative histogram buckets, count and sum of vision batch sizes, fed from the runner's list."""
         sizes = getattr(self.generator, "vision_batch_sizes", None) or []
         with self._lock:
-            new, self._vision_seen = sizes[self._vision_seen:], len(sizes)
+            # Taken out as they are counted, so the list stays short however long the worker runs; sizes
+            # appended meanwhile stay for the next scrape.
+            count = len(sizes)
+            new = sizes[:count]
+            del sizes[:count]
             for size in new:
                 index = next((i for i, le in enumerate(VISION_BATCH_BUCKETS) if size <= le), len(VISION_BATCH_BUCKETS))
                 self._vision_buckets[index] += 1

@@ -76,13 +76,14 @@ def run_engine_child(conn: Connection) -> None:
                             "gc_frozen_objects": frozen}))
     stop = threading.Event()
     report_lock = threading.Lock()
-    vision_seen = 0
 
     def report_metrics() -> None:
-        nonlocal vision_seen
         with report_lock:
             sizes = service.engine.runner.vision_batch_sizes
-            new, vision_seen = sizes[vision_seen:], len(sizes)
+            # Taken out as they are sent; sizes the engine thread appends meanwhile stay for the next report.
+            count = len(sizes)
+            new = sizes[:count]
+            del sizes[:count]
             with contextlib.suppress(OSError, ValueError):  # the parent is gone; the read loop ends too
                 channel.send(("metrics", service.engine.metrics(), new))
 

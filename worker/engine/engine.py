@@ -92,7 +92,7 @@ class Engine:
             "encoder_cache_hits": ec.num_hits,
             "encoder_cache_misses": ec.num_misses,
             "vision_forwards": runner.num_vision_forwards,
-            "vision_images": sum(runner.vision_batch_sizes),
+            "vision_images": runner.num_vision_images,
             "preemptions": self.scheduler.num_preemptions,
             "steps": self.stats.num_steps,
             "prefill_step_seconds": self.stats.prefill_step_seconds,

@@ -38,6 +38,10 @@ class PreparedInput:
     mrope_delta: int = 0
 
 
+# Vision batch sizes kept for a reporter that never comes; past this the older half goes.
+UNREPORTED_VISION_BATCHES = 100_000
+
+
 def prepare_input(loaded: LoadedModel, family: ModelFamily, req: GenerationRequest) -> PreparedInput:
     """Template, tokenise and preprocess one request (CPU). Needs the processor and the config, not the weights,
     so a front end without them (`load_model(weights=False)`) prepares what an engine elsewhere runs."""
@@ -146,7 +150,10 @@ class ModelRunner:
         self.overlap_vision = config.overlap_vision if config.overlap_vision is not None else on_cuda
         self.vision_stream = torch.cuda.Stream(self.device) if self.overlap_vision and on_cuda else None
         self.num_vision_forwards = 0
+        # Sizes of the vision forwards not yet reported: the reporter (worker/telemetry.py, or the engine
+        # child's report to its parent) drains it, so a worker that runs for weeks does not keep every one.
         self.vision_batch_sizes: list[int] = []
+        self.num_vision_images = 0
 
     def _switch_text_attention(self) -> None:
         """Only the language model uses paged attention; the vision tower keeps SDPA."""
@@ -246,7 +253,10 @@ class ModelRunner:
             embeddings = self.family.encode_images(self.model, inputs)
             done = None
         self.num_vision_forwards += 1
+        self.num_vision_images += len(inputs)
         self.vision_batch_sizes.append(len(inputs))
+        if len(self.vision_batch_sizes) > UNREPORTED_VISION_BATCHES:  # nobody reads them (no metrics scrape)
+            del self.vision_batch_sizes[:UNREPORTED_VISION_BATCHES // 2]
         for e, emb in zip(out.encoder_inputs, embeddings, strict=True):
             self.encoder_cache.put(e.content_hash, emb)
         return done
