@@ -16,7 +16,7 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import and_, exists, func, or_, select, update
+from sqlalchemy import Select, and_, exists, func, or_, select, update
 from sqlalchemy.orm import Session, aliased
 
 from common.models import DEFAULT_TENANT, Batch, BatchStatus, Job, JobStatus, new_id, utcnow
@@ -194,6 +194,13 @@ def ready_after_job(session: Session, job_id: str) -> str | None:
         .where(job.id == job_id, Batch.status.in_(_WAITING), _no_open_jobs(job.batch_id))
     )
     return session.scalar(stmt)
+
+
+def ingesting(file_id: Any) -> Select[tuple[str]]:
+    """The batches still ingesting (validating) a file, as input or image archive: `file_id` is an id, or a
+    column to correlate with. Such a file may not be deleted yet."""
+    return select(Batch.id).where(or_(Batch.input_file_id == file_id, Batch.images_file_id == file_id),
+                                  Batch.status == BatchStatus.VALIDATING)
 
 
 def validating_since(session: Session, before: datetime) -> list[str]:

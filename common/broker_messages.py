@@ -12,6 +12,7 @@ import base64
 import json
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -23,6 +24,10 @@ log = logging.getLogger(__name__)
 UNACKED_KEY = "unacked"
 UNACKED_INDEX_KEY = "unacked_index"  # delivery tag -> when it was delivered (kombu's, for its own restore)
 _SCAN_BATCH = 1000
+
+
+# The ids a message (a decoded kombu message dict) carries for what is being looked for.
+IdsOf = Callable[[Any], list[str]]
 
 
 class BrokerNotInspectable(Exception):
@@ -72,7 +77,7 @@ def live_ingested_batch_ids(broker_url: str) -> set[str]:
     return _live(broker_url, INGEST_QUEUE, None, _ingested_batch_ids)
 
 
-def _live(broker_url: str, queue_prefix: str, unacked_max_age: float | None, ids_of: Any) -> set[str]:
+def _live(broker_url: str, queue_prefix: str, unacked_max_age: float | None, ids_of: IdsOf) -> set[str]:
     if not broker_url.startswith(("redis://", "rediss://")):
         raise BrokerNotInspectable(broker_url.split("://", 1)[0])
     client = redis.Redis.from_url(broker_url)
@@ -100,8 +105,8 @@ def _live(broker_url: str, queue_prefix: str, unacked_max_age: float | None, ids
         client.close()
 
 
-def _parse(raw: bytes, ids_of: Any) -> list[str]:
+def _parse(raw: bytes, ids_of: IdsOf) -> list[str]:
     try:
-        return ids_of(json.loads(raw))  # type: ignore[no-any-return]
+        return ids_of(json.loads(raw))
     except ValueError:
         return []

@@ -13,10 +13,11 @@ from datetime import datetime, timedelta
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
-from sqlalchemy import or_, select
+from sqlalchemy import select
 
+from common import batches
 from common.db import Database
-from common.models import Batch, BatchStatus, FileRecord, utcnow
+from common.models import FileRecord, utcnow
 from common.storage import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -37,13 +38,11 @@ class ExpiresAfter(BaseModel):
 def delete_expired_files(db: Database, store: ObjectStore, limit: int = DELETED_PER_SWEEP) -> int:
     """Delete up to `limit` files past their expiry; returns how many."""
     now = utcnow()
-    ingesting = select(Batch.id).where(or_(Batch.input_file_id == FileRecord.id,
-                                           Batch.images_file_id == FileRecord.id),
-                                       Batch.status == BatchStatus.VALIDATING).exists()
     with db.session() as session:
         expired = list(session.execute(
             select(FileRecord.id, FileRecord.object_key)
-            .where(FileRecord.expires_at.is_not(None), FileRecord.expires_at <= now, ~ingesting)
+            .where(FileRecord.expires_at.is_not(None), FileRecord.expires_at <= now,
+                   ~batches.ingesting(FileRecord.id).exists())
             .order_by(FileRecord.expires_at).limit(limit)))
         if expired:
             session.execute(FileRecord.__table__.delete().where(FileRecord.id.in_([r.id for r in expired])))

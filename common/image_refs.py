@@ -106,4 +106,3 @@ def resolve_image(url: str, session: Session, store: ObjectStore, settings: Sett
         return ResolvedImage.of(store_image(session, store, data, settings, tenant))
     raise SubmissionError("image_url.url must be a data: URL or an uploaded image id (img_<sha256>)", 400,
                           "invalid_image")
-

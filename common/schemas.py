@@ -77,7 +77,8 @@ class ChatCompletionRequest(StorableBody):
     stream: Literal[False] | None = False
 
     # Runs only for the fields a request gives (a validator after the model cost every request ~15 us).
-    @field_validator("temperature", "top_p", "top_k", "n", "stream", mode="before")
+    # `priority` is JobCreate's.
+    @field_validator("temperature", "top_p", "top_k", "n", "stream", "priority", mode="before", check_fields=False)
     @classmethod
     def _null_means_default(cls, value: Any, info: ValidationInfo) -> Any:
         return _DEFAULTS[info.field_name] if value is None else value
@@ -101,11 +102,6 @@ class JobCreate(ChatCompletionRequest):
     priority: int | None = Field(default=_DEFAULTS["priority"], ge=0, le=9, description="0 lowest .. 9 highest.")
     metadata: dict[str, Any] | None = Field(default=None, description=(
         f"Any JSON object, echoed with the job; at most {MAX_JOB_METADATA_BYTES} bytes as JSON."))
-
-    @field_validator("priority", mode="before")
-    @classmethod
-    def _null_priority(cls, value: Any) -> Any:
-        return _DEFAULTS["priority"] if value is None else value
 
     @field_validator("metadata")
     @classmethod

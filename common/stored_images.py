@@ -109,4 +109,3 @@ def _insert_image(session: Session, values: dict[str, Any], tenant: str) -> bool
     owner = {"tenant": tenant, "image_id": values["id"], "created_at": values["created_at"]}
     return bool(insert_ignoring_conflicts(session, ImageOwner, [owner], ["tenant", "image_id"],
                                           returning=ImageOwner.tenant))
-

@@ -10,4 +10,3 @@ class SubmissionError(ValueError):
         super().__init__(message)
         self.status_code = status_code
         self.code = code
-

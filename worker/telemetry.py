@@ -21,6 +21,7 @@ from common.gc_pauses import GcPauseCollector
 from common.queue import TASK_RUN_JOB
 from common.settings import Settings
 from common.worker_registry import Heartbeat, WorkerRegistry
+from worker.engine import vision_batches
 from worker.leases import LeaseKeeper
 from worker.stage_clock import StageClock
 
@@ -112,12 +113,7 @@ class WorkerTelemetry:
         """Cumulative histogram buckets, count and sum of vision batch sizes, fed from the runner's list."""
         sizes = getattr(self.generator, "vision_batch_sizes", None) or []
         with self._lock:
-            # Taken out as they are counted, so the list stays short however long the worker runs; sizes
-            # appended meanwhile stay for the next scrape.
-            count = len(sizes)
-            new = sizes[:count]
-            del sizes[:count]
-            for size in new:
+            for size in vision_batches.take(sizes):
                 index = next((i for i, le in enumerate(VISION_BATCH_BUCKETS) if size <= le), len(VISION_BATCH_BUCKETS))
                 self._vision_buckets[index] += 1
                 self._vision_sum += size

@@ -11,16 +11,17 @@ from fastapi import APIRouter, HTTPException, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
-from sqlalchemy import or_, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from api.auth import TenantDep
 from api.deps import AppState, SessionDep, StateDep
 from api.errors import error_responses
 from api.upload import UploadedFile, receive_upload
+from common import batches
 from common.file_expiry import MAX_SECONDS, MIN_SECONDS, ExpiresAfter
 from common.files import add_file, file_key, file_view, open_reader
-from common.models import Batch, BatchStatus, FileRecord, new_file_id
+from common.models import FileRecord, new_file_id
 from common.storage import ObjectNotFound
 from common.submission import SubmissionError
 
@@ -93,18 +94,16 @@ async def create_file(request: Request, state: StateDep, tenant: TenantDep) -> J
     purpose = upload.fields.get("purpose")
     try:
         expires_after = _expires_after(upload.fields)
+        problem = ("multipart field 'file' (the file) is required" if "file" not in upload.files
+                   else "multipart field 'purpose' is required (vlmq accepts purpose='batch')" if purpose is None
+                   else f"purpose {purpose!r} is not supported: vlmq stores batch input files and image archives "
+                        "only (purpose='batch')" if purpose != "batch" else None)
+        if problem is not None:
+            raise SubmissionError(problem)
     except SubmissionError:
-        if "file" in upload.files:
+        if "file" in upload.files:  # refused: what was streamed to storage goes
             await run_in_threadpool(state.store.delete, file_key(file_id, tenant))
         raise
-    problem = ("multipart field 'file' (the file) is required" if "file" not in upload.files
-               else "multipart field 'purpose' is required (vlmq accepts purpose='batch')" if purpose is None
-               else f"purpose {purpose!r} is not supported: vlmq stores batch input files and image archives "
-                    "only (purpose='batch')" if purpose != "batch" else None)
-    if problem is not None:
-        if "file" in upload.files:
-            await run_in_threadpool(state.store.delete, file_key(file_id, tenant))
-        raise SubmissionError(problem)
     return JSONResponse(await run_in_threadpool(add_uploaded, state, tenant, file_id, upload.files["file"],
                                                 expires_after))
 
@@ -180,9 +179,7 @@ def file_url(
 def delete_file(file_id: str, state: StateDep, tenant: TenantDep) -> dict[str, Any]:
     with state.db.session() as session:
         record = get_file(session, tenant, file_id)
-        busy = session.scalar(select(Batch.id).where(or_(Batch.input_file_id == file_id,
-                                                         Batch.images_file_id == file_id),
-                                                     Batch.status == BatchStatus.VALIDATING).limit(1))
+        busy = session.scalar(batches.ingesting(file_id).limit(1))
         if busy is not None:
             raise HTTPException(409, f"file {file_id!r} is being ingested by batch {busy!r}; delete it once "
                                      "that batch has left 'validating'")

@@ -13,6 +13,7 @@ import threading
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
 
+from worker.engine import vision_batches
 from worker.engine.channel import Channel
 from worker.engine.model_runner import PreparedInput
 from worker.engine.process import EngineSpec
@@ -79,11 +80,7 @@ def run_engine_child(conn: Connection) -> None:
 
     def report_metrics() -> None:
         with report_lock:
-            sizes = service.engine.runner.vision_batch_sizes
-            # Taken out as they are sent; sizes the engine thread appends meanwhile stay for the next report.
-            count = len(sizes)
-            new = sizes[:count]
-            del sizes[:count]
+            new = vision_batches.take(service.engine.runner.vision_batch_sizes)
             with contextlib.suppress(OSError, ValueError):  # the parent is gone; the read loop ends too
                 channel.send(("metrics", service.engine.metrics(), new))
 

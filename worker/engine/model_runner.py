@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from worker.engine import vision_batches
 from worker.engine.attention import ATTN_IMPLEMENTATION, build_metadata
 from worker.engine.config import EngineConfig
 from worker.engine.encoder_cache import EncoderCache
@@ -36,10 +37,6 @@ class PreparedInput:
     image_inputs: list[dict[str, torch.Tensor]] = field(default_factory=list)
     mrope_positions: torch.Tensor | None = None  # [3, prompt_len] for M-RoPE families
     mrope_delta: int = 0
-
-
-# Vision batch sizes kept for a reporter that never comes; past this the older half goes.
-UNREPORTED_VISION_BATCHES = 100_000
 
 
 def prepare_input(loaded: LoadedModel, family: ModelFamily, req: GenerationRequest) -> PreparedInput:
@@ -150,8 +147,7 @@ class ModelRunner:
         self.overlap_vision = config.overlap_vision if config.overlap_vision is not None else on_cuda
         self.vision_stream = torch.cuda.Stream(self.device) if self.overlap_vision and on_cuda else None
         self.num_vision_forwards = 0
-        # Sizes of the vision forwards not yet reported: the reporter (worker/telemetry.py, or the engine
-        # child's report to its parent) drains it, so a worker that runs for weeks does not keep every one.
+        # Sizes of the vision forwards not yet reported (worker/engine/vision_batches.py).
         self.vision_batch_sizes: list[int] = []
         self.num_vision_images = 0
 
@@ -254,9 +250,7 @@ class ModelRunner:
             done = None
         self.num_vision_forwards += 1
         self.num_vision_images += len(inputs)
-        self.vision_batch_sizes.append(len(inputs))
-        if len(self.vision_batch_sizes) > UNREPORTED_VISION_BATCHES:  # nobody reads them (no metrics scrape)
-            del self.vision_batch_sizes[:UNREPORTED_VISION_BATCHES // 2]
+        vision_batches.record(self.vision_batch_sizes, (len(inputs),))
         for e, emb in zip(out.encoder_inputs, embeddings, strict=True):
             self.encoder_cache.put(e.content_hash, emb)
         return done

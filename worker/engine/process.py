@@ -31,14 +31,10 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 
+from worker.engine import vision_batches
 from worker.engine.channel import Channel
 from worker.engine.config import EngineConfig
-from worker.engine.model_runner import (
-    UNREPORTED_VISION_BATCHES,
-    PreparedInput,
-    prepare_input,
-    without_decoded_images,
-)
+from worker.engine.model_runner import PreparedInput, prepare_input, without_decoded_images
 from worker.generation import GenerationRequest, GenerationResult
 from worker.model_loader import LoadedModel
 
@@ -237,9 +233,7 @@ class EngineProcess:
                     future.set_exception(error)
             elif kind == "metrics":
                 self._metrics = message[1]
-                self.vision_batch_sizes.extend(message[2])
-                if len(self.vision_batch_sizes) > UNREPORTED_VISION_BATCHES:  # no metrics scrape drains them
-                    del self.vision_batch_sizes[:UNREPORTED_VISION_BATCHES // 2]
+                vision_batches.record(self.vision_batch_sizes, message[2])
 
     def _fail_all(self, error: Exception) -> None:
         with self._futures_lock:
