@@ -7,50 +7,30 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Header, HTTPException, Query, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
-from pydantic import ValidationError
 from sqlalchemy import select
 from starlette.datastructures import UploadFile
 
 from api.auth import TenantDep
 from api.deps import AppState, SessionDep, StateDep
 from api.errors import error_responses
-from api.job_writer import JobWriter
+from api.job_intake import submit
+from api.json_body import INLINE_BODY_BYTES, body_schema, parse, validate
 from api.limits import open_jobs_guard
-from common import batches, dispatch, jobs, storable
+from common import batches, jobs, storable
 from common.models import Job, JobStatus
-from common.queue import send_finalize_batch, send_run_job
+from common.queue import send_finalize_batch
 from common.schemas import JobCreate, JobList, JobView
 from common.storage import ObjectNotFound
 from common.stored_images import image_public_id, store_image
-from common.submission import SubmissionError, job_fields, needs_session, submit_job
+from common.submission import SubmissionError
 from common.views import job_view
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
-_INLINE_BODY_BYTES = 64 * 1024
 _FORM_SCALARS = ("model", "max_tokens", "temperature", "top_p", "seed", "priority")
 _FORM_FIELDS = ("prompt", "image", "images", "system", "stop", "metadata", *_FORM_SCALARS)
-
-
-def _inline(schema: Any, defs: dict[str, Any]) -> Any:
-    """`schema` with its `#/$defs/...` references replaced by what they name (openapi_extra has no components)."""
-    if isinstance(schema, dict):
-        ref = schema.get("$ref", "")
-        if ref.startswith("#/$defs/"):
-            rest = {k: v for k, v in schema.items() if k != "$ref"}
-            return _inline({**defs[ref.removeprefix("#/$defs/")], **rest}, defs)
-        return {k: _inline(v, defs) for k, v in schema.items() if k != "$defs"}
-    if isinstance(schema, list):
-        return [_inline(v, defs) for v in schema]
-    return schema
-
-
-def _json_body_schema() -> dict[str, Any]:
-    schema = JobCreate.model_json_schema()
-    return _inline(schema, schema.get("$defs", {}))
 
 
 # The body is read by hand (JSON or multipart), so FastAPI cannot document it: both forms are declared here.
@@ -58,7 +38,7 @@ _CREATE_DOC = {
     "requestBody": {
         "required": True,
         "content": {
-            "application/json": {"schema": _json_body_schema(), "example": {
+            "application/json": {"schema": body_schema(JobCreate), "example": {
                 "messages": [{"role": "user", "content": [{"type": "text", "text": "Say hello."}]}],
                 "max_tokens": 16}},
             "multipart/form-data": {"schema": {
@@ -80,25 +60,6 @@ _CREATE_DOC = {
         },
     }
 }
-
-
-def _validate(payload: Any) -> JobCreate:
-    try:
-        return JobCreate.model_validate(payload)
-    except ValidationError as exc:
-        raise RequestValidationError(
-            [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False, include_context=False)]
-        ) from None
-
-
-def _parse_json(raw: bytes) -> JobCreate:
-    try:
-        payload = storable.loads(raw)
-    except (ValueError, RecursionError) as exc:  # also integers over 4300 digits, nesting past the stack
-        raise SubmissionError(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(payload, dict):
-        raise SubmissionError("request body must be a JSON object")
-    return _validate(payload)
 
 
 async def _from_form(request: Request, state: AppState, tenant: str) -> JobCreate:
@@ -141,37 +102,12 @@ async def _from_form(request: Request, state: AppState, tenant: str) -> JobCreat
             payload["metadata"] = storable.loads(metadata)
         except (ValueError, RecursionError):
             raise SubmissionError("multipart field 'metadata' must be a JSON object") from None
-    return _validate(payload)
+    return validate(payload, JobCreate)
 
 
 def _store(state: AppState, data: bytes, tenant: str) -> str:
     with state.db.session() as session:
         return store_image(session, state.store, data, state.settings, tenant).id
-
-
-def _create(state: AppState, tenant: str, req: JobCreate, idempotency_key: str | None) -> tuple[str, bool]:
-    """(the job as JSON, created): write the job, then send its run_job message. One trip to the thread
-    pool for both (each trip costs a context switch and GIL hand-offs: ~10% of a request, py-spy)."""
-    with state.db.session() as session:
-        job, created = submit_job(session, state.store, state.settings, req, idempotency_key=idempotency_key,
-                                  tenant=tenant)
-        view, priority = job_view(job), job.priority
-    if created:
-        try:
-            send_run_job(state.celery, state.settings, view.id, priority)
-        except Exception:
-            # The job is durable in SQL as `queued`; marked unsent, the next dispatch sweep sends it.
-            log.exception("could not dispatch job %s", view.id)
-            try:
-                _undispatch(state, view.id)
-            except Exception:
-                log.exception("could not mark job %s unsent", view.id)
-    return view.model_dump_json(), created
-
-
-def _undispatch(state: AppState, job_id: str) -> None:
-    with state.db.session() as session:
-        dispatch.mark_unsent(session, [job_id])
 
 
 @router.post("", status_code=202, response_model=JobView, dependencies=[Depends(open_jobs_guard)],
@@ -186,33 +122,17 @@ async def create_job(
     large = False
     if content_type == "application/json":
         raw = await request.body()
-        # Parsing and validating take time in proportion to the body: a large one goes to the thread pool, so
-        # it cannot hold up every other request on the event loop (31 MB of 500,000 messages held it 11 s).
-        large = len(raw) > _INLINE_BODY_BYTES
-        req = await run_in_threadpool(_parse_json, raw) if large else _parse_json(raw)
+        # A large body goes to the thread pool, so it cannot hold up every other request on the event loop
+        # (31 MB of 500,000 messages held it 11 s).
+        large = len(raw) > INLINE_BODY_BYTES
+        req = await run_in_threadpool(parse, raw, JobCreate) if large else parse(raw, JobCreate)
     elif content_type in ("multipart/form-data", "application/x-www-form-urlencoded"):
         req = await _from_form(request, state, tenant)
     else:
         raise HTTPException(415, f"unsupported content type {content_type or '(none)'!r}: send application/json "
                                  "(a chat-completions body) or multipart/form-data (prompt + image files)")
-    if idempotency_key is not None:
-        body, created = await run_in_threadpool(_create, state, tenant, req, idempotency_key)
-        return Response(body, status_code=202 if created else 200, media_type="application/json")
-    # Jobs without images to resolve are checked right here; others look them up (or store them) in a
-    # session of their own.
-    if needs_session(req, tenant):
-        fields = await run_in_threadpool(_fields_with_images, state, tenant, req)
-    elif large:
-        fields = await run_in_threadpool(job_fields, None, state.store, state.settings, req, tenant=tenant)
-    else:
-        fields = job_fields(None, state.store, state.settings, req, tenant=tenant)
-    writer: JobWriter = request.app.state.job_writer
-    return Response(await writer.write(fields), status_code=202, media_type="application/json")
-
-
-def _fields_with_images(state: AppState, tenant: str, req: JobCreate) -> dict[str, Any]:
-    with state.db.session() as session:
-        return job_fields(session, state.store, state.settings, req, tenant=tenant)
+    body, created = await submit(request, state, tenant, req, idempotency_key, large=large)
+    return Response(body, status_code=202 if created else 200, media_type="application/json")
 
 
 @router.get("", response_model=JobList)
