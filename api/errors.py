@@ -26,7 +26,9 @@ _MEANINGS = {
     415: "Unsupported content type.",
     422: "The request failed validation (error.param names the field).",
     429: "The tenant is over its request rate or open-jobs limit; retry after Retry-After seconds.",
+    500: "The job ended dead: the server gave up on it after its retries.",
     503: "A backing service (database, task queue) is unavailable, or no model is configured; retry later.",
+    504: "The job has not ended within the server's wait limit; it carries on (poll GET /v1/jobs/{id}).",
 }
 
 

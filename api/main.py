@@ -12,10 +12,11 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from api.auth import KeyCache, get_tenant
 from api.deps import AppState
 from api.errors import BodySizeLimit, error_responses, install_error_handlers
+from api.job_waiter import JobWaiter
 from api.job_writer import JobWriter
 from api.limits import OpenJobsCounter, RateLimiter, rate_limit
 from api.metrics import install_metrics
-from api.routes import batches, datasets, files, health, images, jobs, status
+from api.routes import batches, chat, datasets, files, health, images, jobs, models, status
 from common.db import get_database
 from common.queue import make_celery
 from common.settings import Settings, get_settings
@@ -52,6 +53,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
+        await app.state.job_waiter.close()
         app.state.job_writer.close()
         app.state.vlmq.db.dispose()
 
@@ -64,13 +66,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         celery=make_celery(settings),
     )
     app.state.job_writer = JobWriter(app.state.vlmq)
+    app.state.job_waiter = JobWaiter(app.state.vlmq.db)
     app.state.key_cache = KeyCache(settings.auth_cache_seconds)
     app.state.rate_limiter = RateLimiter(settings.tenant_requests_per_second, settings.broker_url)
     app.state.open_jobs = OpenJobsCounter()
     install_error_handlers(app)
     app.include_router(health.router)
     # Every /v1 route needs a tenant: its API key's, or `default` in embedded mode.
-    for router in (images.router, jobs.router, files.router, batches.router, datasets.router):
+    for router in (images.router, jobs.router, chat.router, models.router, files.router, batches.router,
+                   datasets.router):
         app.include_router(router, dependencies=[Depends(get_tenant), Depends(rate_limit)],
                            responses=error_responses(401, 422, 429, 503))
     app.add_middleware(RouteBodyLimits, default_bytes=settings.max_body_bytes, file_bytes=settings.max_file_bytes)

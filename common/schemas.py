@@ -119,6 +119,42 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+    refusal: None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str
+
+
+class ChatCompletion(BaseModel):
+    """OpenAI's chat.completion object: a job's result (common.views.chat_completion builds it)."""
+
+    id: str = Field(description="chatcmpl-<job id>.")
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelView(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelView]
+
+
 class JobResultView(BaseModel):
     text: str
     finish_reason: str

@@ -150,6 +150,10 @@ class Settings(BaseSettings):
     # max_body_bytes like a single job's body; the file itself is streamed and capped here.
     max_file_bytes: int = Field(default=200 * 1024 * 1024, ge=1024, description="Largest POST /v1/files upload.")
     batch_priority: int = Field(default=2, ge=0, le=9, description="Priority of batch jobs (/v1/jobs default: 5).")
+    # POST /v1/chat/completions answers once its job ends; past this it answers 504 with the job's id, and the
+    # job carries on (poll GET /v1/jobs/{id}). Below the openai client's own 600 s timeout.
+    chat_wait_seconds: float = Field(default=300.0, gt=0, description="How long a chat completion waits for its "
+                                     "job before a 504 that names the job.")
     # 2,000: per-chunk costs (commit, resume point, dispatch top-up) fade below the per-line ones; a chunk
     # holds only normalised requests (images are hashes), a few MB (bench/ingest.py: 500 -> 2,000 took
     # 100k rows from ~8.5k to ~11.4k rows/s on Postgres, peak RSS 113 -> 121 MB).

@@ -17,6 +17,7 @@ import tarfile
 import time
 import zipfile
 from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -45,8 +46,10 @@ FINAL = ("completed", "failed", "cancelled", "expired")
 
 
 class Stack:
-    def __init__(self, server: ApiServer, settings: Settings, env: dict[str, str], ingest_pid: int) -> None:
+    def __init__(self, server: ApiServer, settings: Settings, env: dict[str, str], ingest_pid: int,
+                 model_pid: int) -> None:
         self.url, self.settings, self.env, self.ingest_pid = server.url, settings, env, ingest_pid
+        self.model_pid = model_pid
         self.server = server
         self.client = OpenAI(base_url=server.url + "/v1", api_key=server.api_key, max_retries=0, timeout=60)
         self.http = server.client()
@@ -85,23 +88,30 @@ class Stack:
 @pytest.fixture(scope="module")
 def stack(service_env: dict[str, str], tiny_llava_path: Path, tmp_path_factory: pytest.TempPathFactory
           ) -> Iterator[Stack]:
+    with running_stack(service_env, tiny_llava_path, tmp_path_factory.mktemp("batch-logs")) as running:
+        yield running
+
+
+@contextmanager
+def running_stack(service_env: dict[str, str], tiny_llava_path: Path, logs: Path, **api_settings: Any
+                  ) -> Iterator[Stack]:
+    """An ingest worker and a model worker (the tiny LLaVA) in processes of their own, and the API."""
     env = {**os.environ, **service_env, "OMP_NUM_THREADS": "2", "VLMQ_WORKER_CONCURRENCY": "8",
            "VLMQ_MAX_FILE_BYTES": str(MAX_FILE_BYTES), "VLMQ_INGEST_CHUNK_ROWS": "10",
            # A window a little above the worker's 8 jobs in flight: one tenant keeps it busy, a second one
            # gets its turn within ~12 jobs.
            "VLMQ_DISPATCH_WINDOW": "12"}
-    logs = tmp_path_factory.mktemp("batch-logs")
     procs = []
     for name, args, extra in (("ingest", ["ingest-worker"], {}),
                               ("model", ["worker", "--no-ingest"], {"VLMQ_MODEL": str(tiny_llava_path)})):
         with (logs / f"{name}.log").open("wb") as log:
             procs.append(subprocess.Popen([sys.executable, "-m", "common.cli", *args, "--loglevel", "WARNING"],
                                           env={**env, **extra}, stdout=log, stderr=subprocess.STDOUT))
-    settings = settings_from_env(service_env,
-                        model=str(tiny_llava_path), max_file_bytes=MAX_FILE_BYTES)
+    settings = settings_from_env(service_env, model=str(tiny_llava_path), max_file_bytes=MAX_FILE_BYTES,
+                                 **api_settings)
     try:
         with ApiServer(settings) as server:
-            yield Stack(server, settings, env, procs[0].pid)
+            yield Stack(server, settings, env, procs[0].pid, procs[1].pid)
     finally:
         for proc in procs:
             proc.terminate()
