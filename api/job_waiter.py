@@ -59,13 +59,16 @@ class JobWaiter:
 
     async def wait(self, job_id: str) -> EndedJob:
         """The job once it has ended; cancel the call to stop waiting (the job itself is not touched)."""
-        future: asyncio.Future[EndedJob] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[EndedJob] = loop.create_future()
         waiting = self._waiting.get(job_id)
         if waiting is None:
             waiting = self._waiting[job_id] = _Waiting(due=time.monotonic() + FIRST_LOOK_S)
         waiting.futures.append(future)
-        if self._poller is None or self._poller.done():
-            self._poller = asyncio.create_task(self._poll(), name="vlmq-job-waiter")
+        # A new poller, with an event of its own, also for an app served on another event loop than before.
+        if self._poller is None or self._poller.done() or self._poller.get_loop() is not loop:
+            self._wake = asyncio.Event()
+            self._poller = loop.create_task(self._poll(), name="vlmq-job-waiter")
         self._wake.set()
         try:
             return await future
@@ -80,6 +83,7 @@ class JobWaiter:
         if self._poller is not None:
             self._poller.cancel()
             await asyncio.gather(self._poller, return_exceptions=True)
+        self._waiting.clear()
 
     async def _poll(self) -> None:
         while self._waiting:
