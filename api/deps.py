@@ -35,7 +35,9 @@ def get_session(state: Annotated[AppState, Depends(get_state)]) -> Iterator[Sess
 
 
 StateDep = Annotated[AppState, Depends(get_state)]
-SessionDep = Annotated[Session, Depends(get_session)]
+# scope="function": the session commits before the answer is sent (FastAPI's default runs a yield
+# dependency's exit after it), so a client acting on the answer at once finds what it was told exists.
+SessionDep = Annotated[Session, Depends(get_session, scope="function")]
 
 
 async def get_store(state: StateDep) -> ObjectStore:
