@@ -46,7 +46,7 @@ def _location(loc: tuple[Any, ...]) -> str:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(SubmissionError)
     async def _submission(_: Request, exc: SubmissionError) -> JSONResponse:
-        return JSONResponse(error_body(str(exc), exc.code), status_code=exc.status_code)
+        return JSONResponse(error_body(str(exc), exc.code, param=exc.param), status_code=exc.status_code)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -120,6 +120,9 @@ class Settings(BaseSettings):
         "else is held.")
     max_image_frames: int = Field(default=1000, ge=1, description="Animated images above this are refused.")
     max_tokens_limit: int = Field(default=4096, ge=1)
+    max_job_messages: int = Field(
+        default=1024, ge=1, description="Messages in one job's request, each part of a list content counted as one.")
+    max_job_text_chars: int = Field(default=1_000_000, ge=1, description="Characters of text in one job's request.")
     allowed_image_formats: list[str] = Field(default_factory=lambda: ["JPEG", "PNG", "WEBP", "GIF", "BMP"])
     image_check: Literal["structure", "decode"] = Field(
         default="structure", description="How submission tells a corrupt image from a good one before accepting "
