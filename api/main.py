@@ -10,6 +10,7 @@ from fastapi import Depends, FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api.auth import KeyCache, get_tenant
+from api.body_timeout import BodyIdleTimeout
 from api.deps import AppState
 from api.errors import BodySizeLimit, error_responses, install_error_handlers
 from api.job_writer import JobWriter
@@ -74,6 +75,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.include_router(router, dependencies=[Depends(get_tenant), Depends(rate_limit)],
                            responses=error_responses(401, 422, 429, 503))
     app.add_middleware(RouteBodyLimits, default_bytes=settings.max_body_bytes, file_bytes=settings.max_file_bytes)
+    app.add_middleware(BodyIdleTimeout, seconds=settings.body_idle_timeout_seconds)
     # Observability: the status page (its data needs a key) and Prometheus /metrics (open, like /healthz).
     app.state.process_registry = WorkerRegistry(settings.broker_url)
     app.include_router(status.router)

@@ -106,6 +106,9 @@ class Settings(BaseSettings):
 
     # Input limits.
     max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
+    body_idle_timeout_seconds: float = Field(
+        default=30.0, gt=0, description="A request body (JSON or upload) that sends nothing for this long is cut "
+        "off with 408.")
     max_image_bytes: int = Field(default=20 * 1024 * 1024, ge=1024)
     max_image_pixels: int = Field(default=40_000_000, ge=1)
     max_images_per_job: int = Field(default=16, ge=1)
