@@ -33,20 +33,23 @@ def check_prompt_size(req: ChatCompletionRequest, settings: Settings, model: str
     """Raise SubmissionError for a request over the caps, or whose prompt cannot fit `model`'s context
     (`model`: where the served model's files are; None: unknown here, caps only)."""
     texts: list[str] = []
-    parts = images = chars = 0
+    parts = images = chars = wide_bytes = 0
     for message in req.messages:
-        if isinstance(message.content, str):
+        content = message.content
+        if isinstance(content, str):
             parts += 1
-            texts.append(message.content)
-            chars += len(message.content)
+            texts.append(content)
             continue
-        parts += max(1, len(message.content))
-        for part in message.content:
+        parts += len(content) or 1
+        for part in content:
             if isinstance(part, TextPart):
                 texts.append(part.text)
-                chars += len(part.text)
             else:
                 images += 1
+    for text in texts:
+        chars += len(text)
+        if not text.isascii():
+            wide_bytes += len(text.encode("utf-8", "surrogatepass")) - len(text)
     if parts > settings.max_job_messages:
         raise SubmissionError(
             f"the request has {parts:,} messages and content parts; this server takes at most "
@@ -62,8 +65,7 @@ def check_prompt_size(req: ChatCompletionRequest, settings: Settings, model: str
     if context is None or served.tokenizer is None:
         return
     # Every token covers at least one byte of the (normalised) text, bar the prefix a part may get.
-    most = images + sum(served.tokens_per_byte * _utf8_bytes(t) + 1 for t in texts)
-    if most < context:
+    if served.tokens_per_byte * (chars + wide_bytes) + len(texts) + images < context:
         return
     least = _least_tokens(served, texts, images, context)
     if least >= context:
@@ -71,10 +73,6 @@ def check_prompt_size(req: ChatCompletionRequest, settings: Settings, model: str
             f"the prompt is at least {least:,} tokens (text and images); model {settings.served_model_name!r} "
             f"has a context of {context:,} tokens, prompt and output together, so it takes at most "
             f"{context - 1:,} prompt tokens", 400, "context_length_exceeded", param="messages")
-
-
-def _utf8_bytes(text: str) -> int:
-    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
 
 
 def _least_tokens(served: ServedModel, texts: list[str], images: int, context: int) -> int:

@@ -39,18 +39,24 @@ class ServedModel:
 
 _lock = threading.Lock()
 _cache: dict[str, tuple[ServedModel, float]] = {}
+_complete: dict[str, ServedModel] = {}  # those with every file found: one lookup per request
 
 
 def served_model(model: str) -> ServedModel:
     """The model's limits, loaded once per model (again after RECHECK_SECONDS while some file was missing)."""
+    served = _complete.get(model)
+    if served is not None:
+        return served
     entry = _cache.get(model)
-    if entry is not None and (entry[0].complete or time.monotonic() - entry[1] < RECHECK_SECONDS):
+    if entry is not None and time.monotonic() - entry[1] < RECHECK_SECONDS:
         return entry[0]
     with _lock:
         entry = _cache.get(model)
         if entry is None or not (entry[0].complete or time.monotonic() - entry[1] < RECHECK_SECONDS):
             entry = (_load(model), time.monotonic())
             _cache[model] = entry
+            if entry[0].complete:
+                _complete[model] = entry[0]
         return entry[0]
 
 
@@ -139,3 +145,4 @@ def forget() -> None:
     """Drop every cached model (tests)."""
     with _lock:
         _cache.clear()
+        _complete.clear()
