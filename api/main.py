@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI
+from fastapi.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api.auth import KeyCache, get_tenant
@@ -19,6 +20,7 @@ from api.metrics import install_metrics
 from api.routes import batches, datasets, files, health, images, jobs, status
 from common.db import get_database
 from common.queue import make_celery
+from common.served_model import served_model
 from common.settings import Settings, get_settings
 from common.storage import make_store
 from common.worker_registry import WorkerRegistry
@@ -52,6 +54,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # The served model's tokenizer is read now, off the event loop, rather than by the first request.
+        await run_in_threadpool(served_model, settings.model)
         yield
         app.state.job_writer.close()
         app.state.vlmq.db.dispose()

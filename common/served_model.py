@@ -21,6 +21,8 @@ from common.settings import DEMO_MODEL
 log = logging.getLogger(__name__)
 
 RECHECK_SECONDS = 60.0
+# The bundled demo model's folder (worker/demo/model, as worker.demo names it), found without importing worker code.
+DEMO_MODEL_FILES = Path(__file__).resolve().parent.parent / "worker" / "demo" / "model"
 # transformers' stand-in for "no limit" (VERY_LARGE_INTEGER) in tokenizer_config.json.
 _UNSET_MAX_LENGTH = 10**12
 
@@ -74,9 +76,7 @@ def _load(model: str) -> ServedModel:
 def _find(model: str, filename: str) -> Path | None:
     """The file of `model` (a folder, the demo model's name or a hub id in the local HF cache), if here."""
     if model == DEMO_MODEL:
-        from worker.demo import DEMO_MODEL_DIR  # a path only: no model stack
-
-        return DEMO_MODEL_DIR / filename
+        return DEMO_MODEL_FILES / filename
     folder = Path(model).expanduser()
     if folder.is_dir():
         return folder / filename
