@@ -85,7 +85,7 @@ def test_the_count_never_exceeds_the_prompt_the_worker_tokenizes() -> None:
     processor = AutoProcessor.from_pretrained(DEMO_MODEL_DIR)
     served = served_model.served_model(DEMO_MODEL)
     assert served.context_tokens == CONTEXT and served.tokenizer is not None
-    assert served_model.DEMO_MODEL_FILES == DEMO_MODEL_DIR.resolve()
+    assert DEMO_MODEL_DIR.resolve() == served_model.DEMO_MODEL_FILES
     rng = random.Random(7)
     closest = 0.0
     for _ in range(300):
