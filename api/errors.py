@@ -21,6 +21,7 @@ _MEANINGS = {
     400: "The request is invalid (see error.code and error.message).",
     401: "Missing or invalid API key.",
     404: "No such resource for this tenant, or no such served model.",
+    408: "The request body stopped arriving (no data for body_idle_timeout_seconds).",
     409: "The resource's state does not allow this.",
     413: "The request body, a file or an image is over this server's limit.",
     415: "Unsupported content type.",
@@ -48,7 +49,7 @@ def _location(loc: tuple[Any, ...]) -> str:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(SubmissionError)
     async def _submission(_: Request, exc: SubmissionError) -> JSONResponse:
-        return JSONResponse(error_body(str(exc), exc.code), status_code=exc.status_code)
+        return JSONResponse(error_body(str(exc), exc.code, param=exc.param), status_code=exc.status_code)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -68,7 +69,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {401: "invalid_api_key", 403: "forbidden", 429: "rate_limit_exceeded", 404: "not_found",
-                405: "method_not_allowed", 409: "conflict", 413: "request_too_large",
+                405: "method_not_allowed", 408: "request_timeout", 409: "conflict", 413: "request_too_large",
                 415: "unsupported_media_type"}.get(exc.status_code, "error")
         return JSONResponse(error_body(str(exc.detail), code), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))

@@ -7,9 +7,11 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI
+from fastapi.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api.auth import KeyCache, get_tenant
+from api.body_timeout import BodyIdleTimeout
 from api.deps import AppState
 from api.errors import BodySizeLimit, error_responses, install_error_handlers
 from api.job_waiter import JobWaiter
@@ -19,6 +21,7 @@ from api.metrics import install_metrics
 from api.routes import batches, chat, datasets, files, health, images, jobs, models, status
 from common.db import get_database
 from common.queue import make_celery
+from common.served_model import served_model
 from common.settings import Settings, get_settings
 from common.storage import make_store
 from common.worker_registry import WorkerRegistry
@@ -52,6 +55,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # The served model's tokenizer is read now, off the event loop, rather than by the first request.
+        await run_in_threadpool(served_model, settings.model)
         yield
         await app.state.job_waiter.close()
         app.state.job_writer.close()
@@ -78,6 +83,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.include_router(router, dependencies=[Depends(get_tenant), Depends(rate_limit)],
                            responses=error_responses(401, 422, 429, 503))
     app.add_middleware(RouteBodyLimits, default_bytes=settings.max_body_bytes, file_bytes=settings.max_file_bytes)
+    app.add_middleware(BodyIdleTimeout, seconds=settings.body_idle_timeout_seconds)
     # Observability: the status page (its data needs a key) and Prometheus /metrics (open, like /healthz).
     app.state.process_registry = WorkerRegistry(settings.broker_url)
     app.include_router(status.router)

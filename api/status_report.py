@@ -1,10 +1,10 @@
 """What the status page shows, as one JSON document: batches with progress and ETA, recent failures, the live
 processes and their throughput, queue depths and job counts.
 
-A tenant's key sees its own batches, failures and job counts; keys of `admin_tenants` (and everyone when auth
-is off, in embedded mode) see all tenants. Workers and queues are shared by all tenants and carry no tenant
-data, so every key sees them, bar the engines' cache hit rates: those move with what every tenant sends, and
-only admins see them.
+A tenant's key sees its own batches, failures and job counts, and nothing else; keys of `admin_tenants` (and
+everyone when auth is off, in embedded mode) see all tenants, and the figures no tenant owns: the live
+processes (jobs in flight, throughput, cache hit rates) and the queue depths. Those move with what every tenant
+sends, so a tenant watching them would learn of the others' work.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ OPEN_BATCHES_SHOWN = 50
 FINISHED_BATCHES_SHOWN = 20
 FAILURES_SHOWN = 20
 ERROR_CHARS = 500
-ADMIN_ONLY_PROCESS_FIELDS = frozenset({"prefix_cache_hit_rate", "encoder_cache_hit_rate"})
 
 
 def _ts(value: Any) -> float | None:
@@ -43,6 +42,7 @@ def _batches(session: Session, tenant: str | None) -> list[dict[str, Any]]:
 
 
 def _failures(session: Session, tenant: str | None) -> list[dict[str, Any]]:
+    """A tenant's own failed jobs, without the worker that ran them (a process name is admins' business)."""
     # Served by ix_jobs_status_lease_until (status first): cost grows with failed+dead jobs, not all jobs.
     stmt = select(Job).where(Job.status.in_((JobStatus.FAILED, JobStatus.DEAD)))
     if tenant is not None:
@@ -52,7 +52,7 @@ def _failures(session: Session, tenant: str | None) -> list[dict[str, Any]]:
     return [{"id": j.id, "tenant": j.tenant, "batch_id": j.batch_id, "custom_id": j.custom_id, "status": j.status,
              "attempts": j.attempts, "error_code": j.error_code,
              "error_message": (j.error_message or "")[:ERROR_CHARS], "finished_at": _ts(j.finished_at),
-             "worker": j.lease_owner} for j in rows]
+             **({"worker": j.lease_owner} if tenant is None else {})} for j in rows]
 
 
 def _job_counts(session: Session, tenant: str | None) -> dict[str, int]:
@@ -65,21 +65,27 @@ def _job_counts(session: Session, tenant: str | None) -> dict[str, int]:
 
 
 def status_report(state: AppState, registry: WorkerRegistry, tenant: str | None) -> dict[str, Any]:
-    """`tenant` None: every tenant's."""
+    """`tenant` None: every tenant's, with the processes and queues; else that tenant's jobs and batches only."""
     with state.db.session() as session:
         batches = _batches(session, tenant)
         failures = _failures(session, tenant)
         jobs = _job_counts(session, tenant)
-    errors: dict[str, str] = {}
+    report: dict[str, Any] = {"tenant": tenant, "generated_at": time.time(), "jobs": jobs, "batches": batches,
+                              "failures": failures, "errors": {}}
+    if tenant is None:
+        report.update(_shared_figures(state, registry, report["errors"]))
+    return report
+
+
+def _shared_figures(state: AppState, registry: WorkerRegistry, errors: dict[str, str]) -> dict[str, Any]:
+    """The queue depths and the live processes: every tenant's load, for admins."""
     try:
         queues = queue_depths(state.settings.broker_url)
     except Exception as exc:
         queues, errors["queues"] = {}, f"{type(exc).__name__}: {exc}"
     now = time.time()
     try:
-        processes = [{**{k: v for k, v in r.items() if tenant is None or k not in ADMIN_ONLY_PROCESS_FIELDS},
-                      "age_s": round(now - float(r.get("updated_at", now)), 1)} for r in registry.list()]
+        processes = [{**r, "age_s": round(now - float(r.get("updated_at", now)), 1)} for r in registry.list()]
     except Exception as exc:
         processes, errors["processes"] = [], f"{type(exc).__name__}: {exc}"
-    return {"tenant": tenant, "generated_at": now, "jobs": jobs, "queues": queues, "batches": batches,
-            "failures": failures, "processes": processes, "errors": errors}
+    return {"queues": queues, "processes": processes}

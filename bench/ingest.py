@@ -102,9 +102,15 @@ class Environment:
         from common.migrate import upgrade
 
         upgrade(self.db_url)
+        # The model's config and tokenizer are readable, as where the API shares the worker's HF cache: every
+        # request is measured against its context at submission (the demo model's files, named MODEL).
+        model_dir = tmp / MODEL
+        model_dir.mkdir(exist_ok=True)
+        for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+            (model_dir / name).write_bytes((ROOT / "worker" / "demo" / "model" / name).read_bytes())
         self.env = {"VLMQ_DATABASE_URL": self.db_url, "VLMQ_BROKER_URL": self.redis_url,
                     "VLMQ_DATA_DIR": str(tmp / "data"), "VLMQ_STORAGE_DIR": str(tmp / f"objects-{self.redis_db}"),
-                    "VLMQ_MODEL": f"/models/{MODEL}", "VLMQ_AUTH": "on"}
+                    "VLMQ_MODEL": str(model_dir), "VLMQ_AUTH": "on"}
 
     def settings(self) -> Any:
         from common.settings import Settings

@@ -106,6 +106,9 @@ class Settings(BaseSettings):
 
     # Input limits.
     max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
+    body_idle_timeout_seconds: float = Field(
+        default=30.0, gt=0, description="A request body (JSON or upload) that sends nothing for this long is cut "
+        "off with 408.")
     max_image_bytes: int = Field(default=20 * 1024 * 1024, ge=1024)
     max_image_pixels: int = Field(default=40_000_000, ge=1)
     max_images_per_job: int = Field(default=16, ge=1)
@@ -120,6 +123,9 @@ class Settings(BaseSettings):
         "else is held.")
     max_image_frames: int = Field(default=1000, ge=1, description="Animated images above this are refused.")
     max_tokens_limit: int = Field(default=4096, ge=1)
+    max_job_messages: int = Field(
+        default=1024, ge=1, description="Messages in one job's request, each part of a list content counted as one.")
+    max_job_text_chars: int = Field(default=1_000_000, ge=1, description="Characters of text in one job's request.")
     allowed_image_formats: list[str] = Field(default_factory=lambda: ["JPEG", "PNG", "WEBP", "GIF", "BMP"])
     image_check: Literal["structure", "decode"] = Field(
         default="structure", description="How submission tells a corrupt image from a good one before accepting "

@@ -8,7 +8,7 @@ refused.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Literal
 
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
@@ -18,6 +18,7 @@ from common import jobs
 from common.image_cache import ImageCache
 from common.image_refs import ResolvedImage, known_image, resolve_image
 from common.models import DEFAULT_TENANT, Job
+from common.prompt_size import check_prompt_size
 from common.schemas import ChatCompletionRequest, ImagePart, JobCreate, TextPart
 from common.settings import Settings
 from common.storage import ObjectStore
@@ -35,11 +36,14 @@ def needs_session(req: ChatCompletionRequest, tenant: str = DEFAULT_TENANT) -> b
 def normalize_request(
     req: ChatCompletionRequest, session: Session | None, store: ObjectStore, settings: Settings,
     images: ImageCache[ResolvedImage] | None = None, tenant: str = DEFAULT_TENANT,
+    model_files: str | Literal["served"] | None = "served",
 ) -> dict[str, Any]:
     """The job's stored request: messages with images replaced by content hashes, and sampling. Images named
     by id must be the tenant's own. With `images` (one ingestion run's cache, so one tenant's), an image
     reference met before is not resolved again. Only a request with images to resolve needs a `session`
-    (see needs_session)."""
+    (see needs_session). The prompt is measured against the context of the model whose files are at
+    `model_files` ("served": settings.model; None: not known here, see common/prompt_size.py)."""
+    check_prompt_size(req, settings, settings.model if model_files == "served" else model_files)
     messages: list[dict[str, Any]] = []
     num_images = pixels = 0
     for message in req.messages:

@@ -69,7 +69,8 @@ class LocalStack:
         self.dotenv = {"POSTGRES_PASSWORD": "unused", "MINIO_ROOT_PASSWORD": "unused", "VLMQ_MODEL": str(model)}
         self.local = {**base_env, "VLMQ_MODEL": str(model), "VLMQ_DEVICE": "cpu", "VLMQ_DTYPE": "float32",
                       "VLMQ_METRICS_PORT": str(self.metrics_port), "VLMQ_STATS_INTERVAL_SECONDS": "1",
-                      "VLMQ_WORKER_CONCURRENCY": "8", "VLMQ_SWEEP_INTERVAL_SECONDS": "5"}
+                      "VLMQ_WORKER_CONCURRENCY": "8", "VLMQ_SWEEP_INTERVAL_SECONDS": "5",
+                      "VLMQ_ADMIN_TENANTS": '["ops"]'}
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
     def service(self, name: str) -> dict[str, Any]:

@@ -22,7 +22,16 @@ def batch_line(custom_id: str, body: dict[str, Any]) -> str:
 
 
 def too_long_body() -> dict[str, Any]:
-    """Accepted by the API, refused by the engine: the prompt alone fills the tiny model's 512 positions."""
+    """Accepted at submission, refused by the engine: its text (~480 tokens) fits the tiny model's 512
+    positions, which submission checks, but not with its 8 images' 16 tokens each, which only the worker
+    counts."""
+    image = {"type": "image_url", "image_url": {"url": data_url(_png())}}
+    return {"messages": [{"role": "user", "content": [image] * 8 + [{"type": "text", "text": "describe " * 470}]}],
+            "max_tokens": 4}
+
+
+def too_long_text_body() -> dict[str, Any]:
+    """Refused at submission: the text alone is over the tiny model's 512 positions."""
     return {"messages": [{"role": "user", "content": "describe " * 600}], "max_tokens": 4}
 
 
@@ -47,15 +56,19 @@ def test_the_compose_commands_complete_a_batch(compose_stack: LocalStack) -> Non
     stack = compose_stack
     key = stack.api_key("smoke")
     bodies = make_jobs(6, seed=3)
-    lines = [batch_line(f"req-{i}", b) for i, b in enumerate(bodies)] + [batch_line("too-long", too_long_body())]
+    lines = [batch_line(f"req-{i}", b) for i, b in enumerate(bodies)]
+    lines += [batch_line("too-long", too_long_body()), batch_line("too-long-text", too_long_text_body())]
     with httpx.Client(base_url=stack.url, headers={"Authorization": f"Bearer {key}"}, timeout=60) as client:
         batch = run_batch(client, lines)
         assert batch["status"] == "completed", batch
-        assert batch["request_counts"] == {"total": 7, "completed": 6, "failed": 1}
+        assert batch["request_counts"] == {"total": 8, "completed": 6, "failed": 2}
         output = [json.loads(x) for x in client.get(f"/v1/files/{batch['output_file_id']}/content").text.splitlines()]
         errors = [json.loads(x) for x in client.get(f"/v1/files/{batch['error_file_id']}/content").text.splitlines()]
     assert sorted(o["custom_id"] for o in output) == [f"req-{i}" for i in range(6)]
-    assert [e["custom_id"] for e in errors] == ["too-long"] and "prompt tokens" in json.dumps(errors)
+    by_id = {e["custom_id"]: e for e in errors}
+    assert sorted(by_id) == ["too-long", "too-long-text"] and "prompt tokens" in json.dumps(by_id["too-long"])
+    # The ingest worker (the API image: tokenizers, no torch) measured this one against the model's context.
+    assert by_id["too-long-text"]["error"]["code"] == "context_length_exceeded", by_id["too-long-text"]
 
     # The worker's own /metrics: the engine's counters after real work.
     worker = metric_values(httpx.get(f"http://127.0.0.1:{stack.metrics_port}/metrics", timeout=30).text)

@@ -81,6 +81,9 @@ class _Run:
     images_root: str | None = None
     # Image references already resolved in this run: an image reused by many lines is checked once.
     images: ImageCache[ResolvedImage] = field(default_factory=ImageCache)
+    # Where the batch's model's files are, when this process serves that model (prompts are measured
+    # against its context); None: another model's batch, only the plain caps apply.
+    model_files: str | None = None
 
 
 def ingest_batch(batch_id: str, deps: IngestDeps) -> str:
@@ -100,7 +103,8 @@ def ingest_batch(batch_id: str, deps: IngestDeps) -> str:
         images_file_id, images_indexed = batch.images_file_id, batch.images_indexed_at is not None
         # Jobs go to the queue of the model the batch was created for, not whatever this process serves.
         run = _Run(batch_id, batch.tenant, deps.settings.model_copy(update={"served_model_name": batch.model}),
-                   _refused_ids(session, batch_id) if resume_after else set(), images_file_id is not None)
+                   _refused_ids(session, batch_id) if resume_after else set(), images_file_id is not None,
+                   model_files=deps.settings.model if batch.model == deps.settings.served_model_name else None)
     if key is None:
         return _fail(deps, batch_id, "file_not_found", f"input file {input_file_id!r} no longer exists")
     if images_file_id is not None and not images_indexed:
@@ -211,9 +215,9 @@ def _accept(
     try:
         resolve_model(None if deps.any_model else req.model, run.model_settings)
         return custom_id, normalize_request(req, session, deps.store, deps.settings, run.images,
-                                              tenant=run.tenant)
+                                              tenant=run.tenant, model_files=run.model_files)
     except SubmissionError as exc:
-        return LineError(number, custom_id, exc.code, f"line {number}: {exc}")
+        return LineError(number, custom_id, exc.code, f"line {number}: {exc}", exc.param)
 
 
 def _insert_jobs(session: Session, rows: list[dict[str, Any]]) -> set[str]:

@@ -89,16 +89,27 @@ def test_status_page_shows_batches_failures_and_workers(compose_stack: LocalStac
     assert running["id"] in text
     failure = line_with(text, "too-long")
     assert "failed" in failure and "invalid_input" in failure and "prompt tokens" in failure, failure
-    roles = {role: next((line for line in text.splitlines() if line.startswith(role + " ")), "")
+    # The workers and queues are every tenant's load: a tenant's key sees neither, an admin's both.
+    assert 'id="workers-section" hidden' in html and 'id="queues-section" hidden' in html
+    assert "tiny-llava" not in line_with(text, "worker ") and "blocks" not in text
+    assert "No failures." not in text and "could not load status" not in text
+    admin = stack.api_key("ops")
+    admin_html = chromium(["--dump-dom", f"{stack.url}/status#key={admin}"], tmp_path / "p3")
+    admin_text = visible_text(admin_html)
+    assert "all tenants" in admin_text and 'id="workers-section" hidden' not in admin_html
+    roles = {role: next((line for line in admin_text.splitlines() if line.startswith(role + " ")), "")
              for role in ("worker", "ingest", "beat")}
     assert "tiny-llava" in roles["worker"] and "blocks" in roles["worker"] and "s ago" in roles["worker"], roles
     assert "s ago" in roles["ingest"] and "s ago" in roles["beat"], roles
-    assert "No failures." not in text and "could not load status" not in text
+    assert "could not load status" not in admin_text
 
-    # The same numbers the page shows come from /status/data, scoped to this tenant.
+    # The same numbers the pages show come from /status/data, scoped to the key's tenant.
     with httpx.Client(base_url=stack.url, headers={"Authorization": f"Bearer {key}"}, timeout=60) as client:
         data = client.get("/status/data").json()
     assert {b["tenant"] for b in data["batches"]} == {"acme"}
+    assert "processes" not in data and "queues" not in data
+    with httpx.Client(base_url=stack.url, headers={"Authorization": f"Bearer {admin}"}, timeout=60) as client:
+        data = client.get("/status/data").json()
     workers = [p for p in data["processes"] if p["role"] == "worker"]
     assert len(workers) == 1 and workers[0]["jobs_done"] >= 5 and workers[0]["kv_blocks_total"] > 0
 

@@ -5,7 +5,7 @@ docker/requirements.py's MODEL_STACK) is enough for them."""
 import sys
 from importlib.abc import MetaPathFinder
 
-BLOCKED = frozenset({"torch", "transformers", "tokenizers", "safetensors", "torchvision"})
+BLOCKED = frozenset({"torch", "transformers", "safetensors", "torchvision"})
 
 
 class _ModelStackBlocker(MetaPathFinder):

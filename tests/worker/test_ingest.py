@@ -517,3 +517,27 @@ def test_first_chunks_are_small_and_double(settings: Settings, db: Database, sto
     assert sorted(j.custom_id or "" for j in created) == sorted(f"g{i}" for i in range(20))
     assert sorted(first.sent + again.sent) == sorted(j.id for j in created)
     assert get_batch(db, batch_id).total_requests == 20
+
+
+def test_lines_over_the_models_context_or_the_caps_are_refused(settings: Settings, db: Database,
+                                                               store: ObjectStore, tmp_path: Path) -> None:
+    """The served model's files are readable here (its config and tokenizer: the demo model's, a 256-token
+    context): a line whose prompt cannot fit is refused at ingestion, not failed by a worker."""
+    from worker.demo import DEMO_MODEL_DIR
+
+    folder = tmp_path / MODEL  # the served name stays the folder's: the batch's model
+    folder.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((DEMO_MODEL_DIR / name).read_bytes())
+    served = settings.model_copy(update={"model": str(folder), "max_job_messages": 50})
+    many = json.dumps({"custom_id": "many", "method": "POST", "url": "/v1/chat/completions",
+                       "body": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}] * 51}})
+    data = "\n".join([line("short", "What colour is the star?"), line("long", "the star " * 400), many]) + "\n"
+    batch_id = make_batch(db, store, data.encode())
+    assert ingest_batch(batch_id, IngestDeps(served, db, store, Recorder())) == "in_progress"
+    assert line_errors(db, batch_id) == [(2, "long", "context_length_exceeded"), (3, "many", "too_many_messages")]
+    assert [j.custom_id for j in batch_jobs(db, batch_id)] == ["short"]
+    with db.session() as session:
+        errors = {e.custom_id: e for e in session.scalars(select(BatchLineError)
+                                                          .where(BatchLineError.batch_id == batch_id))}
+    assert errors["long"].param == "messages" and "takes at most 255 prompt tokens" in errors["long"].message
