@@ -44,7 +44,7 @@ _CREATE_DOC = {
             "multipart/form-data": {"schema": {
                 "type": "object", "required": ["prompt"],
                 "properties": {
-                    "prompt": {"type": "string"},
+                    "prompt": {"type": "string", "description": "the user's turn: the images, then this text"},
                     "image": {"type": "array", "items": {"type": "string", "format": "binary"}},
                     "system": {"type": "string"},
                     "model": {"type": "string"},
@@ -81,6 +81,9 @@ async def _from_form(request: Request, state: AppState, tenant: str) -> JobCreat
             raise SubmissionError(f"uploaded image {upload.filename!r} is empty")
         record = await run_in_threadpool(_store, state, data, tenant)
         image_ids.append(image_public_id(record))
+    # The images, then the prompt, whatever order the form's fields came in (clients order them as they like:
+    # httpx sends fields before files), as LLaVA-1.5 lays out a turn; a model takes either order, or its chat
+    # template fixes the layout (the demo model's does).
     content: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": i}} for i in image_ids]
     content.append({"type": "text", "text": prompt})
     messages: list[dict[str, Any]] = []

@@ -1,4 +1,5 @@
-"""Score a demo checkpoint on the held-out questions, with HF `generate` and with the vlmq engine.
+"""Score a demo checkpoint on the held-out questions, with HF `generate` and with the vlmq engine, with the
+question before the image and after it.
 
     python -m worker.demo.evaluate [--model vlmq-demo] [--n 1000] [--dtype bfloat16]
 
@@ -15,18 +16,18 @@ import time
 import torch
 
 from common.settings import DEMO_MODEL
+from worker.demo.scoring import HELD_OUT_SEED, MAX_ANSWER_TOKENS, N_HELD_OUT, ORDERS, exact_match, hf_answers, messages
 from worker.demo.shapes import Sample, samples
-from worker.demo.train import HELD_OUT_SEED, MAX_ANSWER_TOKENS, N_HELD_OUT, exact_match, hf_answers, messages
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.generation import GenerationRequest, SamplingParams
 from worker.model_loader import LoadedModel, load_model
 
 
-def engine_answers(loaded: LoadedModel, batch: list[Sample]) -> list[str]:
+def engine_answers(loaded: LoadedModel, batch: list[Sample], image_first: bool = False) -> list[str]:
     """The engine's answers; it installs its paged attention in `loaded`, which HF `generate` cannot run after."""
     engine = Engine(loaded, EngineConfig(num_kv_blocks=1024, block_size=16))
-    results = engine.generate([GenerationRequest(f"q{i}", messages(s.question), [s.image],
+    results = engine.generate([GenerationRequest(f"q{i}", messages(s.question, image_first), [s.image],
                                                  SamplingParams(max_tokens=MAX_ANSWER_TOKENS))
                                for i, s in enumerate(batch)])
     return [r.text.strip() for r in results]
@@ -38,17 +39,20 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=N_HELD_OUT)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     args = parser.parse_args()
-    loaded = load_model(args.model, dtype=getattr(torch, args.dtype))
     held_out = samples(args.n, HELD_OUT_SEED)
-    answers = {}
-    for name, run in (("HF generate", hf_answers), ("vlmq engine", engine_answers)):
-        started = time.perf_counter()
-        answers[name] = got = run(loaded, held_out)
-        seconds = time.perf_counter() - started
-        print(f"{name}: " + ", ".join(f"{k} {v:.3f}" for k, v in exact_match(held_out, got).items())
-              + f" ({len(held_out) / seconds:.0f} questions/s)")
-    same = sum(a == b for a, b in zip(answers["HF generate"], answers["vlmq engine"], strict=True))
-    print(f"engine answers equal to HF generate's: {same}/{len(held_out)}")
+    for order, image_first in ORDERS.items():
+        # A fresh copy per order: the engine installs its paged attention in the model it drives.
+        loaded = load_model(args.model, dtype=getattr(torch, args.dtype))
+        answers = {}
+        for name, run in (("HF generate", hf_answers), ("vlmq engine", engine_answers)):
+            started = time.perf_counter()
+            answers[name] = got = run(loaded, held_out, image_first)
+            seconds = time.perf_counter() - started
+            print(f"{order}, {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in exact_match(held_out, got).items())
+                  + f" ({len(held_out) / seconds:.0f} questions/s)")
+        same = sum(a == b for a, b in zip(answers["HF generate"], answers["vlmq engine"], strict=True))
+        print(f"{order}: engine answers equal to HF generate's: {same}/{len(held_out)}")
+
 
 if __name__ == "__main__":
     main()

@@ -20,8 +20,8 @@ from common.settings import DEMO_MODEL
 from examples.make_jobs import EXAMPLE_SEED, batch_line
 from worker.demo import DEMO_MODEL_DIR
 from worker.demo.evaluate import engine_answers
+from worker.demo.scoring import HELD_OUT_SEED, N_HELD_OUT, exact_match, hf_answers
 from worker.demo.shapes import KINDS, Sample, samples
-from worker.demo.train import HELD_OUT_SEED, N_HELD_OUT, exact_match, hf_answers
 from worker.model_loader import LoadedModel, load_model
 
 ROOT = Path(__file__).resolve().parents[3]
