@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from common import storable
 from common.models import Job, JobStatus
 from common.schemas import ChatCompletionRequest
-from common.views import chat_completion
+from common.views import row_completion
 
 CHAT_URL = "/v1/chat/completions"
 _BOM = b"\xef\xbb\xbf"
@@ -151,8 +151,7 @@ def job_line(job: Job, cancelled_code: str = "batch_cancelled") -> dict[str, Any
     with; a cancelled one says why (`cancelled_code`: batch_cancelled or batch_expired)."""
     line_id = f"batch_req_{job.id}"
     if job.status == JobStatus.SUCCEEDED:
-        body = chat_completion(job.id, job.model, int(job.created_at.timestamp()), job.result_text or "",
-                               job.finish_reason or "stop", job.prompt_tokens or 0, job.completion_tokens or 0)
+        body = row_completion(job)
         return {"id": line_id, "custom_id": job.custom_id,
                 "response": {"status_code": 200, "request_id": job.id, "body": body}, "error": None}
     if job.status == JobStatus.CANCELLED:

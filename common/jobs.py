@@ -26,7 +26,7 @@ from common.models import DEFAULT_TENANT, Job, JobStatus, NulSafeText, UTCDateTi
 
 @dataclass(frozen=True)
 class JobResult:
-    result_key: str
+    result_key: str | None  # None for a batch row: the row is its result, rendered on demand
     text: str
     finish_reason: str
     prompt_tokens: int

@@ -58,8 +58,9 @@ class Settings(BaseSettings):
     persist_retry_seconds: float = Field(default=300.0, ge=0, description="How long a result waits out S3/SQL.")
 
     # Worker batching. "engine" is the paged continuous-batching engine; "hf" batches HF `generate` calls
-    # (any HF VLM, less efficient); "auto" picks the engine when it supports the model's family.
-    backend: Literal["auto", "engine", "hf"] = "auto"
+    # (any HF VLM, less efficient); "auto" picks the engine when it supports the model's family; "null" prepares
+    # each request as the engine would and answers at once, to measure the queue alone (bench/queue_ceiling.py).
+    backend: Literal["auto", "engine", "hf", "null"] = "auto"
     worker_concurrency: int = Field(default=64, ge=1, description="Jobs one worker holds in flight.")
     max_batch_size: int = Field(default=32, ge=1, description="Jobs per generation batch.")
     batch_wait_ms: float = Field(default=20.0, ge=0, description="How long to gather a batch once one arrives.")

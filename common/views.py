@@ -49,3 +49,9 @@ def chat_completion(
             "total_tokens": prompt_tokens + completion_tokens,
         },
     }
+
+
+def row_completion(job: Job) -> dict[str, Any]:
+    """A succeeded job's chat.completion built from its row, which holds everything a result object would."""
+    return chat_completion(job.id, job.model, int(job.created_at.timestamp()), job.result_text or "",
+                           job.finish_reason or "stop", job.prompt_tokens or 0, job.completion_tokens or 0)

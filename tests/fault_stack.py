@@ -400,8 +400,9 @@ class FaultStack:
                  f"{len(job_ids)} jobs to end", interval=0.25)
 
     def report(self, job_ids: list[str]) -> Report:
-        """Every accepted job in exactly one terminal state with exactly one result object (under its key,
-        agreeing with the row), and attempts within the maximum."""
+        """Every accepted job in exactly one terminal state with exactly one result: a single job's object under
+        its key, agreeing with the row; a batch row's in the row alone, with no object. Attempts within the
+        maximum."""
         import json
 
         from common.models import Job
@@ -430,9 +431,12 @@ class FaultStack:
                 over.append(job_id)
             key = result_key(job_id, job.tenant)
             others = [k for k in objects if job_id in k and k != key]
-            if others or objects[key] > 1 or (objects[key] and job.status != "succeeded"):
+            if others or objects[key] > 1 or (objects[key] and (job.status != "succeeded" or job.batch_id)):
                 duplicated.append(job_id)
-            if job.status == "succeeded":
+            if job.status == "succeeded" and job.batch_id is not None:
+                if job.result_key is not None or job.result_text is None:
+                    missing.append(job_id)
+            elif job.status == "succeeded":
                 if job.result_key != key or not objects[key]:
                     missing.append(job_id)
                     continue

@@ -60,6 +60,11 @@ def build_context(settings: Settings) -> WorkerContext:
     dtype = getattr(torch, settings.dtype)
     log.info("worker %s loading model %s on %s (%s)", worker_id, settings.model, settings.device, settings.dtype)
     generator = engine_process(settings) if settings.engine_process else None
+    if settings.backend == "null":
+        from worker.null_generator import NullGenerator
+
+        generator = NullGenerator(load_model(settings.model, dtype=dtype, weights=False,
+                                             torch_resize=settings.image_resize == "torch"))
     if generator is None:
         loaded = load_model(settings.model, device=settings.device, dtype=dtype,
                             torch_resize=settings.image_resize == "torch")
@@ -100,7 +105,7 @@ def engine_process(settings: Settings) -> Generator | None:
     from worker.engine.process import EngineProcess, EngineSpec
     from worker.model_loader import load_model
 
-    if settings.backend == "hf":
+    if settings.backend in ("hf", "null"):
         return None
     front = load_model(settings.model, dtype=getattr(torch, settings.dtype), weights=False,
                        torch_resize=settings.image_resize == "torch")

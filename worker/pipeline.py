@@ -1,8 +1,9 @@
-"""One job's path through a worker: claim -> images -> model -> result object -> finish. No Celery here.
+"""One job's path through a worker: claim -> images -> model -> result -> finish. No Celery here.
 
-The order is what makes crashes harmless: the result object is written under a deterministic key before the
-row is finished, and the row is finished before the message is acked, so a crash anywhere leaves either a
-redelivery (the job runs again and overwrites the same key) or a finished job (the duplicate claim fails).
+The order is what makes crashes harmless: a single job's result object is written under a deterministic key
+before the row is finished (a batch row has no object: the conditional finish writes its result into the row
+itself), and the row is finished before the message is acked, so a crash anywhere leaves either a redelivery
+(the job runs again and overwrites the same key) or a finished job (the duplicate claim fails).
 """
 
 from __future__ import annotations
@@ -160,16 +161,19 @@ class JobPipeline:
             log.exception("job %s failed on attempt %d", job.id, job.attempts)
             return self._release(job, "worker_error", f"{type(exc).__name__}: {exc}")
 
-        body = chat_completion(
-            job.id, job.model, int(job.created_at.timestamp()), result.text, result.finish_reason,
-            result.prompt_tokens, result.completion_tokens,
-        )
-        key = result_key(job.id, job.tenant)
+        # A single REST job's response is an object of its own; a batch row's result is the row itself (the
+        # output file and GET /v1/jobs/{id}/result are rendered from it), so a row costs no object write.
+        key = None if job.batch_id is not None else result_key(job.id, job.tenant)
         job_result = jobs.JobResult(key, result.text, result.finish_reason, result.prompt_tokens,
                                     result.completion_tokens)
         try:
-            with self.clock.stage("persist"):
-                self._result_retry(self._persist, key, body)
+            if key is not None:
+                body = chat_completion(
+                    job.id, job.model, int(job.created_at.timestamp()), result.text, result.finish_reason,
+                    result.prompt_tokens, result.completion_tokens,
+                )
+                with self.clock.stage("persist"):
+                    self._result_retry(self._persist, key, body)
             with self.clock.stage("finish"):
                 finished = self._result_retry(self._finish, job.id, job_result)
         except Exception as exc:
@@ -177,7 +181,8 @@ class JobPipeline:
             return self._release(job, "persist_error", f"{type(exc).__name__}: {exc}")
         if not finished:
             log.info("job %s: lease lost or cancelled; result discarded", job.id)
-            self._drop_orphan(job.id, key)
+            if key is not None:
+                self._drop_orphan(job.id, key)
             return Outcome("lost")
         return Outcome(JobStatus.SUCCEEDED)
 

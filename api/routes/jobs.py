@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -24,7 +25,7 @@ from common.schemas import JobCreate, JobList, JobView
 from common.storage import ObjectNotFound
 from common.stored_images import image_public_id, store_image
 from common.submission import SubmissionError
-from common.views import job_view
+from common.views import job_view, row_completion
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -200,10 +201,13 @@ def _after_batch_job_cancel(state: AppState, batch_id: str) -> None:
 
 @router.get("/{job_id}/result", responses=error_responses(404, 409))
 def get_result(job_id: str, session: SessionDep, state: StateDep, tenant: TenantDep) -> Response:
-    """The full chat.completion object the worker stored."""
+    """The full chat.completion object: the one the worker stored for a single job, rendered from the row for a
+    batch row (which has no object of its own)."""
     job = _get_job(session, tenant, job_id)
-    if job.status != JobStatus.SUCCEEDED or not job.result_key:
+    if job.status != JobStatus.SUCCEEDED:
         raise HTTPException(409, f"job {job_id!r} is {job.status}; a result exists only once it has succeeded")
+    if not job.result_key:
+        return Response(json.dumps(row_completion(job)), media_type="application/json")
     try:
         data = state.store.get(job.result_key)
     except ObjectNotFound:

@@ -59,16 +59,33 @@ def local(tmp_path: Path) -> Iterator[tuple[Settings, Database, ObjectStore]]:
 
 
 def _run(local: tuple[Settings, Database, ObjectStore], during: Callable[[str], None],
-         request: dict[str, Any] = REQUEST) -> tuple[str, Outcome]:
+         request: dict[str, Any] = REQUEST, batch_id: str | None = None) -> tuple[str, Outcome]:
     settings, db, store = local
     with db.session() as session:
-        job_id = jobs.create_job(session, model=MODEL, request=request, tenant="acme").id
+        job_id = jobs.create_job(session, model=MODEL, request=request, tenant="acme", batch_id=batch_id).id
     leases = LeaseKeeper(db, "worker-1", settings.lease_seconds, 3600)
     pipeline = JobPipeline(settings, db, store, _ActingModel(during), leases, "worker-1")  # type: ignore[arg-type]
     try:
         return job_id, pipeline.run(job_id)
     finally:
         pipeline.close()
+
+
+def test_a_single_job_gets_a_result_object_and_a_batch_row_only_its_row(
+        local: tuple[Settings, Database, ObjectStore]) -> None:
+    """A batch row's result is the row (the output file is built from rows): writing an object per row cost the
+    queue more than a fast model costs."""
+    _, db, store = local
+    single_id, single = _run(local, lambda _: None)
+    row_id, row = _run(local, lambda _: None, batch_id="batch_x")
+    assert single.status == row.status == "succeeded"
+    assert store.exists(result_key(single_id, "acme")) and not store.exists(result_key(row_id, "acme"))
+    with db.session() as session:
+        single_job, row_job = session.get(Job, single_id), session.get(Job, row_id)
+        assert single_job is not None and row_job is not None
+        assert single_job.result_key == result_key(single_id, "acme") and row_job.result_key is None
+        assert (row_job.result_text, row_job.finish_reason, row_job.prompt_tokens, row_job.completion_tokens) == (
+            "ok", "stop", 3, 1)
 
 
 def test_a_job_cancelled_while_it_ran_leaves_no_result_object(local: tuple[Settings, Database, ObjectStore]) -> None:
