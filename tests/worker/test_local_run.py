@@ -132,7 +132,17 @@ def _run_cli(tiny_llava_path: Path, data_dir: Path, *args: str, wait: bool = Tru
     command = [sys.executable, "-m", "common.cli", "run", *args, "--model", str(tiny_llava_path)]
     if wait:
         return subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_ctrl_c_as_at_a_terminal)
+
+
+def _ctrl_c_as_at_a_terminal() -> None:
+    """In the child before exec: SIGINT handled by default. A shell that starts a job in the background without
+    job control (`nohup pytest ... &`, CI runners) sets it ignored, the child inherits that, Python then installs
+    no KeyboardInterrupt handler, and Ctrl-C (SIGINT) would not reach `vlmq run` at all."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _flat(text: str) -> str:
@@ -244,3 +254,4 @@ def test_expected_answers_come_from_the_stored_input(tmp_path: Path) -> None:
     assert not resumed
     assert _expected_answers(db, store, settings, batch_id) == {"a": "red", "b": "two"}
     db.dispose()
+
