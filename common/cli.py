@@ -30,6 +30,15 @@ def _settings(**overrides: object):  # type: ignore[no-untyped-def]
     return Settings(**{k: v for k, v in overrides.items() if v is not None})
 
 
+def _require_object_store(settings: Settings) -> None:
+    """Exit with one line when the object store cannot be used (common/storage_check.py)."""
+    from common.storage_check import object_store_problem
+
+    if (problem := object_store_problem(settings)) is not None:
+        typer.echo(f"error: object storage: {problem}", err=True)
+        raise typer.Exit(1)
+
+
 def _started(settings: Settings) -> None:
     """The process has built what it keeps for its life: freeze it out of the garbage collector's scans."""
     if settings.gc_freeze:
@@ -62,6 +71,7 @@ def api(
 
     settings = _settings(model=model)
     setup_process_logging(settings.log_format)
+    _require_object_store(settings)
     if settings.embedded_broker:
         upgrade(settings.database_url)  # embedded: there is no separate migrate step
         from common.queue import make_celery
@@ -97,6 +107,7 @@ def worker(
 
     settings = _settings(model=model, worker_concurrency=concurrency)
     setup_process_logging(settings.log_format, loglevel)
+    _require_object_store(settings)
     # Celery sets the root level only once it starts; the engine process, started before, logs at this one.
     logging.getLogger().setLevel(loglevel.upper())
     celery_app = make_celery(settings)
@@ -125,6 +136,7 @@ def ingest_worker(
 
     settings = _settings(ingest_concurrency=concurrency)
     setup_process_logging(settings.log_format, loglevel)
+    _require_object_store(settings)
     celery_app = make_celery(settings)
     register_tasks(celery_app)
     for role in ("ingest", "beat") if beat else ("ingest",):  # the status page and healthcheck see it
