@@ -220,14 +220,17 @@ def submit(
     image: Annotated[list[Path], typer.Option("--image", "-i", help="Image file (repeatable).", exists=True)],
     prompt: Annotated[str, typer.Argument(help="The question or instruction.")],
     wait: Annotated[bool, typer.Option(help="Wait for the job and print its answer.")] = False,
-    max_tokens: Annotated[int, typer.Option(help="Tokens to generate at most.")] = 256,
+    max_tokens: Annotated[int | None, typer.Option(
+        help="Tokens to generate at most (default: the model's generation config, else VLMQ_DEFAULT_MAX_TOKENS).",
+        min=1)] = None,
     api_url: ApiUrl = "http://127.0.0.1:8000",
     timeout: Annotated[float, typer.Option(help="Seconds to wait with --wait.")] = 600.0,
 ) -> None:
     """Submit one job (images + prompt) to a running API."""
     files = [("image", (p.name, p.read_bytes())) for p in image]
     with api_client(api_url, 60) as client:
-        response = client.post("/v1/jobs", data={"prompt": prompt, "max_tokens": str(max_tokens)}, files=files)
+        form = {"prompt": prompt, **({"max_tokens": str(max_tokens)} if max_tokens is not None else {})}
+        response = client.post("/v1/jobs", data=form, files=files)
         if response.status_code >= 400:
             typer.echo(f"error {response.status_code}: {response.text}", err=True)
             raise typer.Exit(1)

@@ -120,6 +120,9 @@ class Settings(BaseSettings):
         "else is held.")
     max_image_frames: int = Field(default=1000, ge=1, description="Animated images above this are refused.")
     max_tokens_limit: int = Field(default=4096, ge=1)
+    default_max_tokens: int = Field(
+        default=256, ge=1, description="Tokens a request that sets no max_tokens may generate, where the model's "
+        "generation_config.json sets no max_new_tokens (the worker takes that one first).")
     allowed_image_formats: list[str] = Field(default_factory=lambda: ["JPEG", "PNG", "WEBP", "GIF", "BMP"])
     image_check: Literal["structure", "decode"] = Field(
         default="structure", description="How submission tells a corrupt image from a good one before accepting "

@@ -228,6 +228,8 @@ def train(out_dir: Path, steps: int, minutes: float, seed: int, batch_size: int,
     build_tiny_llava(out_dir, seed=seed, spec=DEMO_SPEC, corpus=corpus())
     loaded = load_model(str(out_dir))
     model = loaded.model
+    # Its answers are a few words: a request that sets no max_tokens gets this many (worker/model_loader.py).
+    model.generation_config.max_new_tokens = MAX_ANSWER_TOKENS
     grid_position_embedding(model)
     model.train()
     validation = samples(n_eval, VALIDATION_SEED)
