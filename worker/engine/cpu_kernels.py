@@ -153,8 +153,7 @@ def _start_background_build(build_dir: Path) -> None:
         root = str(Path(__file__).resolve().parents[2])
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
         subprocess.Popen([sys.executable, "-m", "worker.engine.cpu_kernels"], stdin=subprocess.DEVNULL,
-                         stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                         preexec_fn=lambda: os.nice(10))  # the run it serves comes first
+                         stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     # On stderr whatever the logging setup: the first run on a machine would otherwise be silently slower.
     print(f"vlmq: building the CPU kernels in the background (once per machine, about a minute; log in "
           f"{build_dir / BUILD_LOG}); until then this process runs the slower pure-torch path", file=sys.stderr,
@@ -195,6 +194,7 @@ def _import(name: str, path: Path) -> ModuleType:
 def _build_here_without_waiting() -> int:
     """`python -m worker.engine.cpu_kernels`: the background builder; exits where another builder holds the lock."""
     logging.basicConfig(level=logging.INFO)
+    os.nice(10)  # the run it serves comes first
     name, build_dir = _build_name()
     build_dir.mkdir(parents=True, exist_ok=True)
     with (build_dir / BUILDER_LOCK).open("a") as held:
