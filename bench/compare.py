@@ -404,6 +404,9 @@ def main() -> None:
     parser.add_argument("--profile-cpu", action="store_true",
                         help="with --profile: sample every thread on a CPU (engine process included), not the GIL")
     args = parser.parse_args()
+    from worker.engine import cpu_kernels
+
+    cpu_kernels.kernels(wait=True)  # built before any timing: a process that finds them unbuilt runs the torch path
     torch.set_num_threads(args.threads)
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     keep_freed_memory()

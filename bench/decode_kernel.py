@@ -40,7 +40,7 @@ def main() -> None:
     torch.manual_seed(0)
     plain_flags = [f for f in cpu_kernels.CFLAGS if f not in cpu_kernels.REASSOCIATION]
     systems = {
-        "kernel": cpu_kernels.paged_decode_attention(),
+        "kernel": cpu_kernels.paged_decode_attention(wait=True),
         "kernel, no reassociation": cpu_kernels.compile_kernel("vlmq_decode_bench_plain", plain_flags),
         "gather + SDPA": gather_sdpa,
     }

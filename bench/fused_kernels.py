@@ -68,7 +68,7 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=8)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    kernels = cpu_kernels.fused_elementwise()
+    kernels = cpu_kernels.fused_elementwise(wait=True)
     if kernels is None:
         raise SystemExit("the kernels did not build (g++ and ninja needed)")
     print(f"CPU: {cpu_name()}; torch {torch.__version__}, {args.threads} threads")

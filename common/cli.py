@@ -30,6 +30,15 @@ def _settings(**overrides: object):  # type: ignore[no-untyped-def]
     return Settings(**{k: v for k, v in overrides.items() if v is not None})
 
 
+def _require_object_store(settings: Settings) -> None:
+    """Exit with one line when the object store cannot be used (common/storage_check.py)."""
+    from common.storage_check import object_store_problem
+
+    if (problem := object_store_problem(settings)) is not None:
+        typer.echo(f"error: object storage: {problem}", err=True)
+        raise typer.Exit(1)
+
+
 def _started(settings: Settings) -> None:
     """The process has built what it keeps for its life: freeze it out of the garbage collector's scans."""
     if settings.gc_freeze:
@@ -62,6 +71,7 @@ def api(
 
     settings = _settings(model=model)
     setup_process_logging(settings.log_format)
+    _require_object_store(settings)
     if settings.embedded_broker:
         upgrade(settings.database_url)  # embedded: there is no separate migrate step
         from common.queue import make_celery
@@ -97,6 +107,7 @@ def worker(
 
     settings = _settings(model=model, worker_concurrency=concurrency)
     setup_process_logging(settings.log_format, loglevel)
+    _require_object_store(settings)
     # Celery sets the root level only once it starts; the engine process, started before, logs at this one.
     logging.getLogger().setLevel(loglevel.upper())
     celery_app = make_celery(settings)
@@ -125,6 +136,7 @@ def ingest_worker(
 
     settings = _settings(ingest_concurrency=concurrency)
     setup_process_logging(settings.log_format, loglevel)
+    _require_object_store(settings)
     celery_app = make_celery(settings)
     register_tasks(celery_app)
     for role in ("ingest", "beat") if beat else ("ingest",):  # the status page and healthcheck see it
@@ -208,14 +220,17 @@ def submit(
     image: Annotated[list[Path], typer.Option("--image", "-i", help="Image file (repeatable).", exists=True)],
     prompt: Annotated[str, typer.Argument(help="The question or instruction.")],
     wait: Annotated[bool, typer.Option(help="Wait for the job and print its answer.")] = False,
-    max_tokens: Annotated[int, typer.Option(help="Tokens to generate at most.")] = 256,
+    max_tokens: Annotated[int | None, typer.Option(
+        help="Tokens to generate at most (default: the model's generation config, else VLMQ_DEFAULT_MAX_TOKENS).",
+        min=1)] = None,
     api_url: ApiUrl = "http://127.0.0.1:8000",
     timeout: Annotated[float, typer.Option(help="Seconds to wait with --wait.")] = 600.0,
 ) -> None:
     """Submit one job (images + prompt) to a running API."""
     files = [("image", (p.name, p.read_bytes())) for p in image]
     with api_client(api_url, 60) as client:
-        response = client.post("/v1/jobs", data={"prompt": prompt, "max_tokens": str(max_tokens)}, files=files)
+        form = {"prompt": prompt, **({"max_tokens": str(max_tokens)} if max_tokens is not None else {})}
+        response = client.post("/v1/jobs", data=form, files=files)
         if response.status_code >= 400:
             typer.echo(f"error {response.status_code}: {response.text}", err=True)
             raise typer.Exit(1)

@@ -127,6 +127,9 @@ class Settings(BaseSettings):
     max_job_messages: int = Field(
         default=1024, ge=1, description="Messages in one job's request, each part of a list content counted as one.")
     max_job_text_chars: int = Field(default=1_000_000, ge=1, description="Characters of text in one job's request.")
+    default_max_tokens: int = Field(
+        default=256, ge=1, description="Tokens a request that sets no max_tokens may generate, where the model's "
+        "generation_config.json sets no max_new_tokens (the worker takes that one first).")
     allowed_image_formats: list[str] = Field(default_factory=lambda: ["JPEG", "PNG", "WEBP", "GIF", "BMP"])
     image_check: Literal["structure", "decode"] = Field(
         default="structure", description="How submission tells a corrupt image from a good one before accepting "

@@ -91,6 +91,7 @@ class S3ObjectStore:
         secret_access_key: str | None = None,
         create_bucket: bool = False,
         max_connections: int = 64,
+        max_attempts: int = 5,
     ) -> None:
         self.bucket = bucket
         self.client = boto3.client(
@@ -100,7 +101,7 @@ class S3ObjectStore:
             aws_access_key_id=access_key_id,
             aws_secret_access_key=secret_access_key,
             config=Config(
-                retries={"max_attempts": 5, "mode": "standard"},
+                retries={"max_attempts": max_attempts, "mode": "standard"},
                 connect_timeout=5,
                 read_timeout=60,
                 s3={"addressing_style": "path"},

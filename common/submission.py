@@ -77,8 +77,9 @@ def normalize_request(
                                           "(width x height, summed), this server's limit", 400, "too_many_pixels")
                 parts.append({"type": "image", "image_id": resolved.sha256})
         messages.append({"role": role, "content": parts})
-    max_tokens = req.max_completion_tokens or req.max_tokens or 256
-    if max_tokens > settings.max_tokens_limit:
+    # None: the worker's default (the model's generation_config max_new_tokens, else VLMQ_DEFAULT_MAX_TOKENS).
+    max_tokens = req.max_completion_tokens or req.max_tokens
+    if max_tokens is not None and max_tokens > settings.max_tokens_limit:
         raise SubmissionError(f"max_tokens {max_tokens} exceeds this server's limit of "
                               f"{settings.max_tokens_limit}", 400, "max_tokens_too_large")
     return {

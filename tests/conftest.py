@@ -132,7 +132,18 @@ def s3_env(s3_endpoint: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
-def tiny_llava_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def cpu_kernels_built() -> None:
+    """The engine's C++ kernels built (or loaded) before a test runs a model. A process that finds them unbuilt
+    builds them in the background and runs the torch path meanwhile (worker/engine/cpu_kernels.py); tests that
+    count fused modules or compare the two paths need them there from the start, and every process a test
+    starts then takes the same path."""
+    from worker.engine import cpu_kernels
+
+    cpu_kernels.kernels(wait=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_llava_path(tmp_path_factory: pytest.TempPathFactory, cpu_kernels_built: None) -> Path:
     from worker.tiny_model import build_tiny_llava
 
     return build_tiny_llava(tmp_path_factory.mktemp("models") / "tiny-llava", seed=0)

@@ -177,7 +177,7 @@ def _compose_cli() -> list[str] | None:
 def test_docker_compose_config_accepts_the_file(tmp_path: Path) -> None:
     cli = _compose_cli()
     if cli is None:
-        pytest.skip("no docker compose here (.ci/run installs Debian's docker-compose)")
+        pytest.skip("no docker compose here (tests/setup.sh installs Debian's docker-compose)")
     shutil.copy(COMPOSE, tmp_path / "compose.yaml")
     shutil.copy(ROOT / ".env.example", tmp_path / ".env")
     result = subprocess.run([*cli, "--profile", "flower", "config", "--services"], cwd=tmp_path,

@@ -50,11 +50,12 @@ class WorkerContext:
 def build_context(settings: Settings) -> WorkerContext:
     import torch
 
-    from worker.model_loader import load_model
+    from worker.model_loader import default_max_tokens, load_model
 
     if not settings.model:
         raise RuntimeError("no model configured: set VLMQ_MODEL (an HF model id or a local path)")
     worker_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+    settings = settings.model_copy(update={"default_max_tokens": default_max_tokens(settings.model, settings)})
     db = get_database(settings.database_url)
     store = make_store(settings)
     dtype = getattr(torch, settings.dtype)

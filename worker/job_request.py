@@ -60,7 +60,9 @@ def generation_request(job_id: str, request: dict[str, Any], priority: int, sett
                 parts.append({"type": "text", "text": part["text"]})
         messages.append({"role": message["role"], "content": parts})
     s = request["sampling"]
-    sampling = SamplingParams(max_tokens=s["max_tokens"], temperature=s["temperature"], top_p=s["top_p"],
-                              top_k=s.get("top_k", 0), seed=s["seed"], stop=list(s["stop"]))
+    # No max_tokens in the request: the worker's default (worker/model_loader.py default_max_tokens).
+    sampling = SamplingParams(max_tokens=s["max_tokens"] or settings.default_max_tokens,
+                              temperature=s["temperature"], top_p=s["top_p"], top_k=s.get("top_k", 0),
+                              seed=s["seed"], stop=list(s["stop"]))
     return GenerationRequest(request_id=job_id, messages=messages, images=pictures, sampling=sampling,
                              priority=priority, cache_salt=tenant)

@@ -44,6 +44,7 @@ from common.settings import Settings
 from common.storage import ObjectStore, make_store
 from worker.embedded import embedded_worker
 from worker.ingest import IngestDeps, ingest_batch
+from worker.input_check import UnrunnableInput, unrunnable_input
 
 COPY_CHUNK_BYTES = 1 << 20
 ROWS_PER_READ = 1000
@@ -140,6 +141,8 @@ def run_file(input_path: Path, output_path: Path, settings: Settings, console: C
              images: Path | None = None) -> RunSummary:
     console = console or Console(stderr=True)
     check_output_path(input_path, output_path)
+    if (unrunnable := unrunnable_input(input_path, settings)) is not None:
+        return _refuse_file(unrunnable, output_path)
     upgrade(settings.database_url)
     db = get_database(settings.database_url)
     store = make_store(settings)
@@ -161,6 +164,18 @@ def run_file(input_path: Path, output_path: Path, settings: Settings, console: C
         _wait(db, app, settings, summary, console)
         summary.elapsed_s = time.monotonic() - started
     _write_output(db, summary, output_path, _expected_answers(db, store, settings, summary.batch_id))
+    return summary
+
+
+def _refuse_file(unrunnable: UnrunnableInput, path: Path) -> RunSummary:
+    """A file nothing of which can run: its refused lines written as ingestion would have had them written."""
+    summary = RunSummary(status="failed", errors=unrunnable.errors, line_errors=unrunnable.line_errors,
+                         total_lines=len(unrunnable.line_errors))
+    tmp = path.with_suffix(path.suffix + ".partial")
+    with tmp.open("w", encoding="utf-8") as out:
+        for error in unrunnable.line_errors:
+            out.write(json.dumps(refused_line(error, f"batch_req_line{error.line}"), ensure_ascii=False) + "\n")
+    tmp.replace(path)
     return summary
 
 

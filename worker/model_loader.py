@@ -6,11 +6,14 @@ import contextlib
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from worker.image_resize import use_torch_resize
+
+if TYPE_CHECKING:
+    from common.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +118,18 @@ def model_location(path_or_id: str) -> str:
     from worker.demo import DEMO_MODEL_DIR
 
     return str(DEMO_MODEL_DIR) if path_or_id == DEMO_MODEL else path_or_id
+
+
+def default_max_tokens(path_or_id: str, settings: Settings) -> int:
+    """What a request that sets no max_tokens may generate: the model's generation_config.json max_new_tokens
+    where it sets one, else VLMQ_DEFAULT_MAX_TOKENS; never over VLMQ_MAX_TOKENS_LIMIT."""
+    from transformers import GenerationConfig
+
+    try:
+        model_default = GenerationConfig.from_pretrained(model_location(path_or_id)).max_new_tokens
+    except (OSError, ValueError):  # no generation_config.json, or a hub id not in the cache (offline)
+        model_default = None
+    return min(model_default or settings.default_max_tokens, settings.max_tokens_limit)
 
 
 def load_model(path_or_id: str, device: str = "cpu", dtype: torch.dtype = torch.float32,

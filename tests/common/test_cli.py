@@ -38,6 +38,14 @@ def test_migrate_creates_the_schema(tmp_path: Path) -> None:
 
 
 def test_embedded_api_submit_wait_and_status(tmp_path: Path, tiny_llava_path: Path) -> None:
+    """Also: `vlmq submit` without --max-tokens sends none, and the job gets the model's generation_config
+    max_new_tokens (it sent 256 once, and the demo model spent them all on noise)."""
+    import shutil
+
+    model = shutil.copytree(tiny_llava_path, tmp_path / "model")
+    config = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**config, "max_new_tokens": 5}))
+    tiny_llava_path = model
     env = _clean_env(tmp_path)
     port = free_port()
     api_url = f"http://127.0.0.1:{port}"
@@ -58,6 +66,10 @@ def test_embedded_api_submit_wait_and_status(tmp_path: Path, tiny_llava_path: Pa
         jobs = httpx.get(f"{api_url}/v1/jobs").json()["data"]
         assert len(jobs) == 1 and jobs[0]["status"] == "succeeded"
         assert jobs[0]["result"]["text"] == answer and jobs[0]["result"]["usage"]["completion_tokens"] == 6
+        unbounded = _vlmq("submit", "-i", str(image_path), "And this?", "--wait", "--api-url", api_url, env=env)
+        assert unbounded.returncode == 0, unbounded.stderr
+        latest = httpx.get(f"{api_url}/v1/jobs").json()["data"][0]
+        assert latest["result"]["usage"]["completion_tokens"] == 5
         status = _vlmq("status", jobs[0]["id"], "--api-url", api_url, env=env)
         assert status.returncode == 0 and json.loads(status.stdout)["status"] == "succeeded"
         missing = _vlmq("status", "job_missing", "--api-url", api_url, env=env)

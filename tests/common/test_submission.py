@@ -82,3 +82,29 @@ def test_an_image_id_is_remembered_only_once_its_rows_are_committed(tmp_path: Pa
     with db.session() as session:  # committed this time: remembered
         normalize_request(_request(data_url(image), image_id), session, store, settings, tenant="acme")
     assert not needs_session(_request(image_id), "acme")
+
+
+def test_a_request_without_max_tokens_takes_the_models_default(tmp_path: Path) -> None:
+    """Stored without max_tokens, a request gets the model's generation_config max_new_tokens where it sets one
+    (the demo model: its answers are a few words), else VLMQ_DEFAULT_MAX_TOKENS; it used to get 256 whatever
+    the model, and the demo model spent them on noise."""
+    import json
+
+    from worker.job_request import JobImages, generation_request
+    from worker.model_loader import default_max_tokens
+
+    settings = Settings(data_dir=tmp_path, default_max_tokens=40, max_tokens_limit=100)
+    stored = normalize_request(ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "hi"}]}), None, make_store(settings), settings)
+    assert stored["sampling"]["max_tokens"] is None
+    assert default_max_tokens("vlmq-demo", settings) == 6
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    assert default_max_tokens(str(plain), settings) == 40  # no generation_config.json
+    (plain / "generation_config.json").write_text(json.dumps({"max_new_tokens": 500}))
+    assert default_max_tokens(str(plain), settings) == 100  # never over the limit
+    worker_settings = settings.model_copy(update={"default_max_tokens": 6})
+    req = generation_request("job", stored, 5, worker_settings, JobImages([], 0), "acme")
+    assert req.sampling.max_tokens == 6
+    given = {**stored, "sampling": {**stored["sampling"], "max_tokens": 9}}
+    assert generation_request("job", given, 5, worker_settings, JobImages([], 0), "acme").sampling.max_tokens == 9

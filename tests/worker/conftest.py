@@ -11,6 +11,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _cpu_kernels_first(cpu_kernels_built: None) -> None:
+    """Every engine a test under tests/worker builds gets the C++ kernels (tests/conftest.py)."""
+
+
 @pytest.fixture(scope="session")
 def tiny_llava_siglip_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from worker.tiny_model import build_tiny_llava

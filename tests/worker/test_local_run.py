@@ -132,7 +132,17 @@ def _run_cli(tiny_llava_path: Path, data_dir: Path, *args: str, wait: bool = Tru
     command = [sys.executable, "-m", "common.cli", "run", *args, "--model", str(tiny_llava_path)]
     if wait:
         return subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_ctrl_c_as_at_a_terminal)
+
+
+def _ctrl_c_as_at_a_terminal() -> None:
+    """In the child before exec: SIGINT handled by default. A shell that starts a job in the background without
+    job control (`nohup pytest ... &`, CI runners) sets it ignored, the child inherits that, Python then installs
+    no KeyboardInterrupt handler, and Ctrl-C (SIGINT) would not reach `vlmq run` at all."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _flat(text: str) -> str:
@@ -244,3 +254,32 @@ def test_expected_answers_come_from_the_stored_input(tmp_path: Path) -> None:
     assert not resumed
     assert _expected_answers(db, store, settings, batch_id) == {"a": "red", "b": "two"}
     db.dispose()
+
+
+def test_a_file_nothing_of_which_can_run_is_refused_before_the_model_loads(tmp_path: Path) -> None:
+    """Empty, only lines that are not requests, a CSV without its columns: exit 1 with the reason, without
+    importing torch (the model stack is made unimportable here, so a run that reached the model would fail
+    with exit 2 instead); it took the model's load (16-34 s) before."""
+    import time
+
+    no_torch = Path(__file__).resolve().parents[1] / "no_torch"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLMQ_")}
+    env.update({"VLMQ_DATA_DIR": str(tmp_path / "state"),
+                "PYTHONPATH": os.pathsep.join([str(no_torch), env.get("PYTHONPATH", "")])})
+    cases = {"empty.jsonl": ("", "empty_file"), "blank.jsonl": ("\n  \n", "empty_file"),
+             "junk.jsonl": ('{not json\n{"custom_id": "a"}\n', "invalid_json"),
+             "rows.csv": ("question,picture\nhi,a.png\n", "invalid_manifest")}
+    for name, (text, code) in cases.items():
+        source, output = tmp_path / name, tmp_path / f"{name}.out"
+        source.write_text(text)
+        started = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "common.cli", "run", str(source), "-o", str(output)],
+                              env=env, capture_output=True, text=True, timeout=120)
+        elapsed = time.monotonic() - started
+        assert proc.returncode == 1, (name, proc.stderr[-2000:])
+        assert "nothing in" in _flat(proc.stderr) and code in proc.stderr, (name, proc.stderr[-2000:])
+        assert elapsed < 30, (name, elapsed)  # generous: a shared 2-core machine; the model is never loaded
+        refused = [json.loads(line) for line in output.read_text().splitlines()]
+        assert all(r["error"]["code"] for r in refused)
+        assert len(refused) == (2 if name == "junk.jsonl" else 0)
+    assert not (tmp_path / "state").exists()  # no database, no object store

@@ -37,6 +37,7 @@ import torch
 from worker.demo.chat_template import write_chat_template
 from worker.demo.scoring import (
     HELD_OUT_SEED,
+    MAX_ANSWER_TOKENS,
     N_HELD_OUT,
     ORDERS,
     VALIDATION_SEED,
@@ -219,6 +220,8 @@ def train(out_dir: Path, steps: int, minutes: float, seed: int, batch_size: int,
     write_chat_template(out_dir)
     loaded = load_for_training(out_dir)
     model = loaded.model
+    # Its answers are a few words: a request that sets no max_tokens gets this many (worker/model_loader.py).
+    model.generation_config.max_new_tokens = MAX_ANSWER_TOKENS
     if init_from is None:
         grid_position_embedding(model)
     model.train()

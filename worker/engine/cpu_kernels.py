@@ -1,4 +1,5 @@
-"""C++ kernels of the CPU backend, compiled on first use with torch.utils.cpp_extension (g++ and ninja).
+"""C++ kernels of the CPU backend, compiled with torch.utils.cpp_extension (g++ and ninja) by a process of
+their own, in the background, the first time a process on the machine wants them (see kernels).
 
 Decode attention straight from the paged pool (csrc/paged_decode_attention.cpp) is ~2x the gather + SDPA
 path on the bench's shapes (bench/engine.py); RMSNorm, SiLU-and-multiply and the rotary embedding in one pass
@@ -12,12 +13,15 @@ be built (no compiler), or with EngineConfig.cpu_attention_kernel / cpu_fused_el
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
 import platform
+import shutil
+import subprocess
+import sys
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -40,6 +44,12 @@ PagedDecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch
 REASSOCIATION = ["-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", *REASSOCIATION]
 
+# Builds made since builders lock with flock live in folders of their own: a process of an older vlmq (which
+# took cpp_extension's lock file alone) never builds in the same folder as a newer one.
+BUILD_SCHEME = b"flock-builder"
+BUILDER_LOCK = "vlmq-builder.lock"
+BUILD_LOG = "vlmq-build.log"
+DONE = "vlmq-built"  # written once the build is complete: a .so alone may be one a killed linker left half-written
 _lock = threading.Lock()
 _loaded: dict[str, Any] = {}
 
@@ -55,45 +65,99 @@ def _cpu_signature() -> str:
         return platform.processor() or platform.machine()
 
 
-def paged_decode_attention() -> PagedDecodeAttention | None:
-    """The compiled decode kernel, or None where the extension cannot be built (logged once)."""
-    module = kernels()
+def paged_decode_attention(wait: bool = False) -> PagedDecodeAttention | None:
+    """The compiled decode kernel, or None where the extension is not built yet or cannot be (see kernels)."""
+    module = kernels(wait)
     return module.paged_decode_attention if module is not None else None  # type: ignore[no-any-return]
 
 
-def fused_elementwise() -> ModuleType | None:
-    """The module with `rms_norm`, `silu_and_mul` and `rotary_embedding`, or None where it cannot be built
-    (logged once)."""
-    return kernels()
+def fused_elementwise(wait: bool = False) -> ModuleType | None:
+    """The module with `rms_norm`, `silu_and_mul` and `rotary_embedding`, or None where the extension is not
+    built yet or cannot be (see kernels)."""
+    return kernels(wait)
 
 
-def kernels() -> ModuleType | None:
-    """The extension (built on first use, then loaded from torch's cache), or None where it cannot be built."""
+def kernels(wait: bool = False) -> ModuleType | None:
+    """The extension, loaded from torch's cache where it is built. Where it is not: with `wait`, built here
+    (tests and benches); without, built by a process of its own in the background while this one keeps the
+    pure-torch path for its life (a first run on a machine is not held up by the build, and a process never
+    switches paths midway); the next process loads it. None where it cannot be built."""
     with _lock:
         if PREFIX not in _loaded:
-            _loaded[PREFIX] = _build()
+            _loaded[PREFIX] = _load(wait)
         return _loaded[PREFIX]  # type: ignore[no-any-return]
 
 
-def _build() -> ModuleType | None:
-    from torch.utils import cpp_extension
-
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS)) + " ".join(CFLAGS).encode()
-                            + _cpu_signature().encode() + torch.__version__.encode())
-    name = f"{PREFIX}_{digest.hexdigest()[:12]}"  # a new source, CPU or torch gets a new build
-    build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
-    built = build_dir / f"{name}.so"
+def _load(wait: bool) -> ModuleType | None:
+    name, build_dir = _build_name()
     try:
-        if built.exists():
-            # Loaded directly, not through cpp_extension.load: that takes a lock file around even an
-            # up-to-date build, and a worker killed while holding it would leave every later start waiting.
-            return _import(name, built)
-        _clear_stale_lock(build_dir)
-        log.info("building the CPU kernels %s (once per machine, ~1 min)", name)
-        return compile_module(name, CFLAGS)
+        if not wait:
+            loaded = _import_built(name, build_dir)
+            if loaded is None:
+                _start_background_build(build_dir)
+            return loaded
+        return build(name, build_dir)
     except Exception as exc:  # no compiler or headers: the torch path serves, slower
         log.warning("CPU kernels not available (%s: %s); using the pure-torch path", type(exc).__name__, exc)
         return None
+
+
+def _build_name() -> tuple[str, Path]:
+    from torch.utils import cpp_extension
+
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS)) + " ".join(CFLAGS).encode()
+                            + _cpu_signature().encode() + torch.__version__.encode() + BUILD_SCHEME)
+    name = f"{PREFIX}_{digest.hexdigest()[:12]}"  # a new source, CPU, torch or scheme gets a new build
+    return name, Path(cpp_extension._get_build_directory(name, verbose=False))
+
+
+def _import_built(name: str, build_dir: Path) -> ModuleType | None:
+    """Loaded directly, not through cpp_extension.load: that takes its lock file around even an up-to-date
+    build. None where no complete build is there."""
+    if not (build_dir / DONE).exists():
+        return None
+    return _import(name, build_dir / f"{name}.so")
+
+
+def build(name: str | None = None, build_dir: Path | None = None) -> ModuleType:
+    """Build the extension, or load the build another process finished meanwhile; one builder at a time."""
+    if name is None or build_dir is None:
+        name, build_dir = _build_name()
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with (build_dir / BUILDER_LOCK).open("a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        return _build_holding_lock(name, build_dir)
+
+
+def _build_holding_lock(name: str, build_dir: Path) -> ModuleType:
+    """Builders take an flock on a file of the build folder, which the kernel releases when its holder dies.
+    Holding it, whatever a killed build left behind (cpp_extension's own lock file, which says nothing of its
+    owner and made every later start wait on it; half-written objects) is stale, and goes."""
+    if (done := _import_built(name, build_dir)) is not None:
+        return done
+    for leftover in build_dir.iterdir():
+        if leftover.name not in (BUILDER_LOCK, BUILD_LOG):
+            shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
+    log.info("building the CPU kernels %s (once per machine, ~1 min)", name)
+    module = compile_module(name, CFLAGS)
+    (build_dir / DONE).write_text(f"{name}.so\n")
+    return module
+
+
+def _start_background_build(build_dir: Path) -> None:
+    """A process of its own, in a session of its own (Ctrl-C on the run does not stop it, and it outlives the
+    run); it exits at once where another builder holds the lock."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with (build_dir / BUILD_LOG).open("ab") as log_file:
+        # This vlmq's code, whatever else the path would find first.
+        root = str(Path(__file__).resolve().parents[2])
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+        subprocess.Popen([sys.executable, "-m", "worker.engine.cpu_kernels"], stdin=subprocess.DEVNULL,
+                         stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    # On stderr whatever the logging setup: the first run on a machine would otherwise be silently slower.
+    print(f"vlmq: building the CPU kernels in the background (once per machine, about a minute; log in "
+          f"{build_dir / BUILD_LOG}); until then this process runs the slower pure-torch path", file=sys.stderr,
+          flush=True)
 
 
 def compile_kernel(name: str, cflags: list[str]) -> PagedDecodeAttention:
@@ -127,12 +191,20 @@ def _import(name: str, path: Path) -> ModuleType:
     return module
 
 
-def _clear_stale_lock(build_dir: Path, stale_after_s: float = 600.0) -> None:
-    """A lock file older than any build takes was left by a process killed mid-build."""
-    lock = build_dir / "lock"
-    try:
-        if time.time() - lock.stat().st_mtime > stale_after_s:
-            lock.unlink()
-            log.warning("removed a stale build lock %s", lock)
-    except FileNotFoundError:
-        pass
+def _build_here_without_waiting() -> int:
+    """`python -m worker.engine.cpu_kernels`: the background builder; exits where another builder holds the lock."""
+    logging.basicConfig(level=logging.INFO)
+    os.nice(10)  # the run it serves comes first
+    name, build_dir = _build_name()
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with (build_dir / BUILDER_LOCK).open("a") as held:
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return 0  # another process is building it
+        _build_holding_lock(name, build_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_build_here_without_waiting())

@@ -22,7 +22,7 @@ from worker.model_loader import load_model
 
 @pytest.fixture(scope="module")
 def kernels() -> ModuleType:
-    built = cpu_kernels.fused_elementwise()
+    built = cpu_kernels.fused_elementwise(wait=True)
     assert built is not None, "the kernels must build here (g++ and ninja are installed by the project)"
     return built
 

@@ -20,7 +20,7 @@ from worker.engine.cpu_rope import RotaryFusedForward, fuse_rotary
 
 @pytest.fixture(scope="module")
 def kernels() -> ModuleType:
-    built = cpu_kernels.fused_elementwise()
+    built = cpu_kernels.fused_elementwise(wait=True)
     assert built is not None, "the kernels must build here (g++ and ninja are installed by the project)"
     return built
 
