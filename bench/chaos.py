@@ -47,6 +47,7 @@ class RunResult:
     attempts: dict[int, int]
     events: list[str] = field(default_factory=list)
     maintenance_restarts: int = 0
+    worker_exits: int = 0  # workers that exited by themselves (not the chaos's SIGKILL)
 
     @property
     def clean(self) -> bool:
@@ -62,6 +63,7 @@ class Supervisor:
         self.stack, self.n = stack, n
         self.workers: list[Process] = []
         self.events: list[str] = []
+        self.exits = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
@@ -77,6 +79,10 @@ class Supervisor:
         while not self._stop.wait(0.2):
             for i, worker in enumerate(self.workers):
                 if not worker.alive():
+                    if worker.proc.returncode != -signal.SIGKILL:
+                        self.exits += 1
+                        self.events.append(f"{time.monotonic():.1f} worker pid {worker.proc.pid} exited by itself "
+                                           f"with status {worker.proc.returncode}")
                     self.workers[i] = self.stack.worker(concurrency=8)
 
     def kill_one(self, rng: random.Random) -> None:
@@ -127,7 +133,7 @@ def one_run(stack: FaultStack, name: str, n_jobs: int, n_workers: int, kills: in
     return RunResult(name, n_jobs, seconds, dict(report.statuses), len(report.lost), len(report.stuck),
                      len(report.duplicated), len(report.missing_result), len(report.over_attempts),
                      dict(sorted(report.attempts.items())), supervisor.events,
-                     stack.maintenance_restarts - restarts_before)
+                     stack.maintenance_restarts - restarts_before, supervisor.exits)
 
 
 def cpu_name() -> str:
@@ -147,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kills", type=int, default=6, help="random worker SIGKILLs during the chaos run")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=900, help="per run, seconds")
-    parser.add_argument("--check", action="store_true", help="exit 1 unless every job ended once, cleanly")
+    parser.add_argument("--check", action="store_true",
+                        help="exit 1 unless every job ended once, cleanly, and no process exited by itself")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
 
@@ -181,17 +188,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r.name:<12} {r.seconds:>8.1f} {r.lost:>5} {r.stuck:>6} {r.duplicated:>4} {r.missing_result:>9} "
               f"{r.over_attempts:>5}  {r.statuses}  {r.attempts}")
     base, chaos = results
-    print(f"maintenance process restarted (as compose's restart policy would): {chaos.maintenance_restarts}x")
+    print(f"processes that exited by themselves (a restart policy would restart them): "
+          f"maintenance {chaos.maintenance_restarts}x, workers {chaos.worker_exits}x")
     print(f"chaos events: {len(chaos.events)}")
     for event in chaos.events:
         print(f"  {event}")
     print(f"time overhead of chaos: {chaos.seconds / base.seconds:.2f}x the undisturbed run")
+    self_exits = sum(r.maintenance_restarts + r.worker_exits for r in results)
     summary: dict[str, Any] = {"runs": [asdict(r) for r in results], "overhead": chaos.seconds / base.seconds,
-                               "clean": all(r.clean for r in results)}
+                               "clean": all(r.clean for r in results), "self_exits": self_exits}
     if args.json:
         args.json.write_text(json.dumps(summary, indent=2))
     print(f"lost={chaos.lost} duplicated={chaos.duplicated} stuck={chaos.stuck} clean={summary['clean']}")
-    if args.check and not summary["clean"]:
+    if args.check and (not summary["clean"] or self_exits):
         return 1
     return 0
 

@@ -7,7 +7,7 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -16,6 +16,8 @@ from common.logs import celery_flags, route_library_logs, setup_process_logging,
 from common.worker_registry import start_heartbeat
 
 if TYPE_CHECKING:
+    from celery import Celery
+
     from common.settings import Settings
 
 app = typer.Typer(help="vlmq: batch inference for vision-language models.", no_args_is_help=True,
@@ -45,6 +47,28 @@ def _started(settings: Settings) -> None:
         from common.heap import freeze_startup_heap
 
         freeze_startup_heap()
+
+
+def _run_celery(celery_app: Celery, argv: list[str]) -> None:
+    """Run a Celery command; a worker exits with the status it stopped with. Celery drops that status when
+    run from Python (`app.start` runs its click command in non-standalone mode and returns nothing), so a
+    worker that stopped on an "Unrecoverable error" (status 1) exited 0, and a supervisor that restarts only
+    failed processes left it down. The worker is caught as it is made (the `worker_init` signal) to read it."""
+    from celery.signals import worker_init
+
+    workers: list[Any] = []
+
+    def keep(sender: Any, **_: Any) -> None:
+        workers.append(sender)
+
+    worker_init.connect(keep)
+    try:
+        celery_app.start(argv)
+    finally:
+        worker_init.disconnect(keep)
+    status = workers[-1].exitcode if workers else None
+    if status:
+        raise typer.Exit(status if isinstance(status, int) else 1)
 
 
 @app.command()
@@ -118,7 +142,7 @@ def worker(
         context.telemetry.serve(settings.metrics_port)
     queues = [settings.job_queue] + ([ingest_queue(settings)] if ingest else [])
     _started(settings)
-    celery_app.worker_main([*celery_flags(settings.log_format),
+    _run_celery(celery_app, [*celery_flags(settings.log_format),
         "worker", "--pool=threads", f"--concurrency={settings.worker_concurrency}", f"--queues={','.join(queues)}",
         f"--loglevel={loglevel}", "--without-gossip", "--without-mingle", f"--hostname=vlmq-{settings.job_queue}@%h",
     ])
@@ -149,7 +173,7 @@ def ingest_worker(
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         argv += ["--beat", f"--schedule={settings.data_dir / 'celerybeat-schedule'}"]
     _started(settings)
-    celery_app.worker_main(argv)
+    _run_celery(celery_app, argv)
 
 
 @app.command()
@@ -162,8 +186,8 @@ def beat(loglevel: Annotated[str, typer.Option(help="Celery log level.")] = "INF
     setup_process_logging(settings.log_format, loglevel)
     start_heartbeat(settings.broker_url, "beat", settings.stats_interval_seconds)
     settings.data_dir.mkdir(parents=True, exist_ok=True)
-    make_celery(settings).start([*celery_flags(settings.log_format), "beat", f"--loglevel={loglevel}",
-                                 f"--schedule={settings.data_dir / 'celerybeat-schedule'}"])
+    _run_celery(make_celery(settings), [*celery_flags(settings.log_format), "beat", f"--loglevel={loglevel}",
+                                        f"--schedule={settings.data_dir / 'celerybeat-schedule'}"])
 
 
 @app.command()

@@ -10,7 +10,7 @@ from typing import Any
 
 from celery import Celery
 
-from common import fast_send
+from common import broker_transport, fast_send
 from common.fast_send import RedisTaskSender
 from common.settings import Settings
 
@@ -47,6 +47,7 @@ def ingest_queue(settings: Settings) -> str:
 
 
 def make_celery(settings: Settings) -> Celery:
+    broker_transport.install()  # a broker restart must not stop the process (see there)
     app = Celery("vlmq", broker=settings.broker_url, set_as_current=False)
     app.conf.update(
         # SQL holds job state; Celery only delivers, so no result backend.

@@ -5,6 +5,8 @@ The real CLI and worker, plus the patches VLMQ_TEST_FAULTS names (comma-separate
 - `crash_after_persist:PATH`: the first process to have written a result object, and not yet finished its
   row, SIGKILLs itself there (PATH marks that it happened, so the job's next attempt goes through).
 - `poison:WORD`: a job whose prompt holds WORD SIGKILLs the process that runs it, on every attempt.
+- `unrecoverable`: the Celery worker's consumer fails to start with the AttributeError kombu once raised on
+  a broker restart, which Celery logs as an "Unrecoverable error" before it stops the worker.
 """
 
 from __future__ import annotations
@@ -20,12 +22,33 @@ def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def install(faults: str) -> None:
-    from worker.pipeline import JobPipeline
+def _fail_consumer_start() -> None:
+    from celery import bootsteps
 
+    import common.queue
+
+    class BrokenConsumerStep(bootsteps.StartStopStep):
+        def start(self, parent: Any) -> None:
+            raise AttributeError("'NoneType' object has no attribute 'hostname'")
+
+    make_celery = common.queue.make_celery
+
+    def make_broken_celery(*args: Any, _make: Any = make_celery, **kwargs: Any) -> Any:
+        app = _make(*args, **kwargs)
+        app.steps["consumer"].add(BrokenConsumerStep)
+        return app
+
+    common.queue.make_celery = make_broken_celery  # type: ignore[assignment]
+
+
+def install(faults: str) -> None:
     for fault in filter(None, faults.split(",")):
         kind, _, arg = fault.partition(":")
-        if kind == "crash_after_persist":
+        if kind == "unrecoverable":
+            _fail_consumer_start()
+        elif kind == "crash_after_persist":
+            from worker.pipeline import JobPipeline
+
             marker = Path(arg)
             finish = JobPipeline._finish
 

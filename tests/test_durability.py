@@ -131,13 +131,38 @@ def test_redis_restarted_without_persistence(stack: FaultStack, workers: list[Pr
     job_ids = stack.submit(prompts("redis"))
     wait_some_done(stack, job_ids)
     stack.redis.restart(down_seconds=1)  # comes back empty: every queued message is gone
-    # A Celery worker can exit on this reconnect (kombu: "'NoneType' object has no attribute 'hostname'"
-    # while restoring unacked messages); compose restarts it, and so does this wait.
-    wait_supervised(stack, workers, job_ids, 180)
+    assert wait_supervised(stack, workers, job_ids, 180) == 0  # the worker reconnected: nothing restarted it
     assert_all_succeeded_once(stack.report(job_ids))
     with stack.api.client() as client:  # the API reconnects too
         assert client.post("/v1/jobs", json={"messages": [{"role": "user", "content": "after"}],
                                              "max_tokens": 2}).status_code == 202
+
+
+def test_every_process_rides_out_repeated_redis_restarts(stack: FaultStack, workers: list[Process]) -> None:
+    """Redis restarted three times empty, then once keeping its data (AOF): the model worker and the
+    maintenance process (`ingest-worker --beat`) reconnect and go on, none exits. Each restart comes while the
+    worker runs fewer jobs than its concurrency: it holds their messages unacked and waits on the broker for
+    more, the state in which kombu's AttributeError on the reconnect stopped it (with status 0)."""
+    worker = start_worker(stack, workers)
+    maintenance, restarts = stack.maintenance, stack.maintenance_restarts
+    job_ids: list[str] = []
+    for i, appendonly in enumerate([False, False, True, True]):
+        stack.redis.appendonly = appendonly  # the first AOF restart comes back empty, the second replays it
+        ids = stack.submit(prompts(f"restart {i}", 2), max_tokens=64)
+        wait_for(lambda ids=ids: stack.count(ids, "running", "succeeded") or not worker.alive(), 60, "a job to run")
+        assert worker.alive(), f"the worker exited with {worker.proc.returncode} after restart {i - 1}"
+        job_ids += ids
+        stack.redis.restart(down_seconds=1)
+        time.sleep(2)  # the processes notice the restart before the next one
+    stack.redis.appendonly = False
+    assert worker.alive(), f"the worker exited with {worker.proc.returncode} after the last restart"
+    job_ids += stack.submit(prompts("after the restarts", 6))
+    stack.wait_terminal(job_ids, 180)
+    assert_all_succeeded_once(stack.report(job_ids), len(job_ids))
+    assert worker.alive(), worker.tail()
+    assert stack.maintenance is maintenance and stack.maintenance_restarts == restarts, maintenance.tail()
+    for process in (worker, maintenance):
+        assert "Unrecoverable error" not in process.tail(2_000_000)
 
 
 def test_postgres_restarted_mid_run(stack: FaultStack, workers: list[Process]) -> None:

@@ -124,3 +124,14 @@ def test_an_api_that_cannot_be_reached_is_one_line_not_a_traceback(tmp_path: Pat
         proc = _vlmq(*args, "--api-url", f"http://127.0.0.1:{port}", env=_clean_env(tmp_path), timeout=60)
         assert proc.returncode == 1 and "cannot reach the vlmq API" in proc.stderr, proc.stderr
         assert "Traceback" not in proc.stderr
+
+
+def test_a_worker_that_stops_on_an_unrecoverable_error_exits_non_zero(tmp_path: Path) -> None:
+    """Celery logs "Unrecoverable error" and stops the worker with status 1; `vlmq` used to drop that status
+    and exit 0, so a supervisor restarting only failed processes left the worker down."""
+    root = Path(__file__).resolve().parents[2]
+    env = {**_clean_env(tmp_path), "VLMQ_TEST_FAULTS": "unrecoverable"}
+    proc = subprocess.run([sys.executable, "-m", "tests.fault_worker", "ingest-worker"], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=120)
+    assert "Unrecoverable error" in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    assert proc.returncode == 1
