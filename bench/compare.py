@@ -317,22 +317,35 @@ def gemm_peak_gflops(n: int = 2048, repeats: int = 7, dtype: torch.dtype = torch
     """GEMM GFLOP/s of n x n x n in `dtype`, median of `repeats`, by each library torch reaches on CPU: its BLAS
     (`torch.mm`; MKL on x86, which on AMD CPUs may not take its AVX-512 path) and oneDNN with a pre-packed
     weight (what the engine's linears run). The machine's peak is the faster of the two: measured against
-    the slower one, a workload could show more than 100%."""
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    calls = {"blas": lambda: torch.mm(a, b)}
-    if torch.backends.mkldnn.is_available():
-        packed = torch.ops.mkldnn._reorder_linear_weight(b.t().contiguous(), n)
-        calls["onednn"] = lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], "")
+    the slower one, a workload could show more than 100%. A library whose n x n call would take seconds (a
+    dtype without native instructions on this CPU) is measured at 512 instead, named `name@512`."""
     rates = {}
-    for name, call in calls.items():
+    for name, call in _gemm_calls(256, dtype).items():
+        call()  # oneDNN builds its kernel on the first call
+        start = time.perf_counter()
+        call()
+        size = n if (time.perf_counter() - start) * (n / 256) ** 3 < 2.0 else 512
+        call = _gemm_calls(size, dtype)[name]
         call()
         times = []
         for _ in range(repeats):
             start = time.perf_counter()
             call()
             times.append(time.perf_counter() - start)
-        rates[name] = 2 * n**3 / statistics.median(times) / 1e9
+        rates[name if size == n else f"{name}@{size}"] = 2 * size**3 / statistics.median(times) / 1e9
     return rates
+
+
+def _gemm_calls(n: int, dtype: torch.dtype) -> dict[str, Any]:
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    calls = {"blas": lambda: torch.mm(a, b)}
+    if torch.backends.mkldnn.is_available():
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(b.t().contiguous(), n)
+            calls["onednn"] = lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], "")
+        except RuntimeError:  # oneDNN packs bf16 only where the CPU has the instructions for it
+            pass
+    return calls
 
 
 def workload_flops(loaded: LoadedModel, prompt_tokens: list[int], generated: list[int], n_images: int) -> float:
@@ -426,7 +439,8 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     rates = gemm_peak_gflops(dtype=dtype)
     peak = max(rates.values())
-    print(f"CPU: {cpu_name()}; torch {torch.__version__}, {args.threads} threads, {args.dtype}; GEMM 2048^2 peak "
+    size = max(rates, key=rates.__getitem__).partition("@")[2] or "2048"
+    print(f"CPU: {cpu_name()}; torch {torch.__version__}, {args.threads} threads, {args.dtype}; GEMM {size}^2 peak "
           f"measured now: {peak:.0f} GFLOP/s ({', '.join(f'{name} {rate:.0f}' for name, rate in rates.items())})")
     table: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -109,7 +109,7 @@ def test_bf16_runs_every_system_in_bf16(tmp_path: Path) -> None:
                           "--systems", "engine,hfb", "--max-tokens", "4", "--dtype", "bfloat16", "--json", str(out)],
                          capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert re.search(r"^CPU: .* threads, bfloat16; GEMM 2048\^2 peak measured now: \d+ GFLOP/s", run.stdout, re.M)
+    assert re.search(r"^CPU: .* threads, bfloat16; GEMM \d+\^2 peak measured now: \d+ GFLOP/s", run.stdout, re.M)
     assert len(re.findall(r"^  engine alone: .*; KV cache in bfloat16$", run.stdout, re.M)) == 2, run.stdout
     report = json.loads(out.read_text())
     assert report["dtype"] == "bfloat16" and report["peak_gflops"] > 0

@@ -60,7 +60,9 @@ def test_vlmq_run_embedded_matches_hf(engine_process: str, tiny_llava_path: Path
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "13 succeeded" in proc.stderr and "5 refused" in proc.stderr, proc.stderr[-2000:]
     assert (tmp_path / "state" / "vlmq.db").exists()  # embedded SQLite
-    assert any((tmp_path / "state" / "objects" / "tenants" / "default" / "results").iterdir())  # local folder
+    objects = tmp_path / "state" / "objects" / "tenants" / "default"
+    assert any((objects / "files").iterdir())  # the input and output files, in the local folder
+    assert not (objects / "results").exists()  # a batch row's result is its row: no object per row
 
     lines = [json.loads(line) for line in output_path.read_text().splitlines()]
     assert len(lines) == 18
