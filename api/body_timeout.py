@@ -16,17 +16,16 @@ from fastapi.responses import JSONResponse
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-log = logging.getLogger(__name__)
+from api.errors import CLOSE_CONNECTION, TrackedSend
 
-# The rest of the body will not come: close the connection rather than wait for it.
-_CLOSE = {"Connection": "close"}
+log = logging.getLogger(__name__)
 
 
 class BodyStalled(HTTPException):
     # An HTTPException, so FastAPI's body parsing re-raises it as is instead of turning it into a 400, and the
     # app's handler answers it.
     def __init__(self, seconds: float) -> None:
-        super().__init__(408, f"the request body stalled: no data for {seconds:g} seconds", headers=_CLOSE)
+        super().__init__(408, f"the request body stalled: no data for {seconds:g} seconds", headers=CLOSE_CONNECTION)
 
 
 class BodyIdleTimeout:
@@ -42,7 +41,7 @@ class BodyIdleTimeout:
             await self.app(scope, receive, send)
             return
         body_ended = False
-        started = False
+        tracked = TrackedSend(send)
         host, port = scope.get("client") or ("?", "?")
         client = f"{host}:{port}"
 
@@ -61,22 +60,16 @@ class BodyIdleTimeout:
                 body_ended = True
             return message
 
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-            await send(message)
-
         try:
-            await self.app(scope, timed_receive, tracking_send)
+            await self.app(scope, timed_receive, tracked)
         except ClientDisconnect:
             log.info("%s %s: client %s disconnected before its request body ended", scope.get("method"),
                      scope.get("path"), client)
         except BodyStalled as exc:  # raised where no exception handler answers it
-            if not started:
+            if not tracked.started:
                 await JSONResponse({"error": {"message": exc.detail, "type": "invalid_request_error",
                                               "code": "request_timeout", "param": None}},
-                                   status_code=408, headers=_CLOSE)(scope, _disconnected, send)
+                                   status_code=408, headers=CLOSE_CONNECTION)(scope, _disconnected, send)
 
 
 async def _disconnected() -> Message:

@@ -97,7 +97,21 @@ def install_error_handlers(app: FastAPI) -> None:
 
 # The rest of a refused body is not worth reading: closing the connection stops the server from draining it
 # (uvicorn would read and discard it all to keep the connection alive).
-_CLOSE = {"Connection": "close"}
+CLOSE_CONNECTION = {"Connection": "close"}
+
+
+class TrackedSend:
+    """`send`, remembering whether the response has started: a body middleware may answer an error of its own
+    only before the app has."""
+
+    def __init__(self, send: Send) -> None:
+        self.send = send
+        self.started = False
+
+    async def __call__(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.started = True
+        await self.send(message)
 
 
 class BodySizeLimit:
@@ -116,7 +130,7 @@ class BodySizeLimit:
                 await self._too_large(send)
                 return
         received = 0
-        started = False
+        tracked = TrackedSend(send)
 
         async def limited_receive() -> Message:
             nonlocal received
@@ -127,22 +141,16 @@ class BodySizeLimit:
                     raise _TooLarge(self.max_bytes)
             return message
 
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-            await send(message)
-
         try:
-            await self.app(scope, limited_receive, tracking_send)
+            await self.app(scope, limited_receive, tracked)
         except _TooLarge:
-            if not started:
+            if not tracked.started:
                 await self._too_large(send)
 
     async def _too_large(self, send: Send) -> None:
         response = JSONResponse(
             error_body(f"request body exceeds the limit of {self.max_bytes} bytes", "request_too_large"),
-            status_code=413, headers=_CLOSE,
+            status_code=413, headers=CLOSE_CONNECTION,
         )
         await response({"type": "http"}, _empty_receive, send)
 
@@ -150,7 +158,7 @@ class BodySizeLimit:
 class _TooLarge(HTTPException):
     # An HTTPException, so FastAPI's body parsing re-raises it as is instead of turning it into a 400.
     def __init__(self, max_bytes: int) -> None:
-        super().__init__(413, f"request body exceeds the limit of {max_bytes} bytes", headers=_CLOSE)
+        super().__init__(413, f"request body exceeds the limit of {max_bytes} bytes", headers=CLOSE_CONNECTION)
 
 
 async def _empty_receive() -> Message:

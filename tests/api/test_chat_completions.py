@@ -21,6 +21,7 @@ from PIL import Image
 from tests.api.test_jobs_api import data_url, png_bytes
 from tests.api.test_openai_batch import Stack, _raw, request_line, running_stack
 from tests.hf_reference import hf_messages, hf_reference_answer
+from tests.log_records import LogRecords
 from tests.test_end_to_end import make_jobs
 from worker.model_loader import load_model
 
@@ -69,20 +70,11 @@ def test_chat_completions_answer_as_the_same_lines_of_a_batch(stack: Stack, tiny
     assert job["status"] == "succeeded" and job["priority"] == 9
 
 
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
 def test_a_client_that_goes_away_leaves_a_job_that_ends(stack: Stack) -> None:
     """The worker is paused so that the job cannot end before the client gives up; the API notices the closed
     connection, logs it without a traceback, and the job runs once the worker is back."""
     key = stack.server.make_key(f"leaves-{uuid.uuid4().hex[:6]}")  # a tenant of its own: its one job is this
-    records = _Records()
+    records = LogRecords()
     # uvicorn's own loggers do not propagate: an error in the ASGI app would be logged on uvicorn.error.
     watched = [logging.getLogger(), logging.getLogger("uvicorn.error")]
     root_level = logging.getLogger().level
@@ -117,5 +109,4 @@ def test_a_client_that_goes_away_leaves_a_job_that_ends(stack: Stack) -> None:
         assert job["status"] == "succeeded", job
         assert http.get(f"/v1/jobs/{job_id}/result").json()["choices"][0]["message"]["content"] == (
             job["result"]["text"])
-    assert not [r for r in records.records if r.levelno >= logging.ERROR or r.exc_info], [
-        r.getMessage() for r in records.records if r.levelno >= logging.WARNING]
+    assert not records.errors(), [r.getMessage() for r in records.records if r.levelno >= logging.WARNING]

@@ -11,21 +11,10 @@ from collections.abc import Iterator
 import pytest
 
 from tests.conftest import ApiServer, settings_from_env
+from tests.log_records import LogRecords
 
 IDLE_SECONDS = 1.0
 MODEL = "stall-model"
-
-
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-    def errors(self) -> list[str]:
-        return [f"{r.name}: {r.getMessage()}" for r in self.records if r.levelno >= logging.ERROR or r.exc_info]
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +25,9 @@ def server(service_env: dict[str, str]) -> Iterator[ApiServer]:
 
 
 @pytest.fixture
-def logs() -> Iterator[_Records]:
+def logs() -> Iterator[LogRecords]:
     """Every record of the app's and uvicorn's loggers (uvicorn's do not reach the root logger)."""
-    handler = _Records()
+    handler = LogRecords()
     loggers = [logging.getLogger(), logging.getLogger("uvicorn.error"), logging.getLogger("uvicorn")]
     for logger in loggers:
         logger.addHandler(handler)
@@ -78,12 +67,16 @@ def _multipart_start(boundary: str) -> bytes:
             "Content-Type: application/octet-stream\r\n\r\n{\"custom_id\": \"a\"").encode()
 
 
-@pytest.mark.parametrize("route", ["json", "upload"])
-def test_a_stalled_body_is_cut_off_with_408_quietly(server: ApiServer, logs: _Records, route: str) -> None:
+def _open_halfway(server: ApiServer, route: str) -> socket.socket:
+    """A request to `route` (json: POST /v1/jobs; upload: POST /v1/files) whose body has begun, not ended."""
     if route == "json":
-        sock = _open(server, "/v1/jobs", "application/json", 10_000, b'{"messages": [')
-    else:
-        sock = _open(server, "/v1/files", "multipart/form-data; boundary=xyz", 100_000, _multipart_start("xyz"))
+        return _open(server, "/v1/jobs", "application/json", 10_000, b'{"messages": [')
+    return _open(server, "/v1/files", "multipart/form-data; boundary=xyz", 100_000, _multipart_start("xyz"))
+
+
+@pytest.mark.parametrize("route", ["json", "upload"])
+def test_a_stalled_body_is_cut_off_with_408_quietly(server: ApiServer, logs: LogRecords, route: str) -> None:
+    sock = _open_halfway(server, route)
     started = time.monotonic()
     with sock:
         status, headers, body = _response(sock)
@@ -113,11 +106,8 @@ def test_a_slow_body_that_keeps_coming_is_not_cut(server: ApiServer) -> None:
 
 
 @pytest.mark.parametrize("route", ["json", "upload"])
-def test_a_client_that_leaves_mid_body_leaves_no_traceback(server: ApiServer, logs: _Records, route: str) -> None:
-    if route == "json":
-        sock = _open(server, "/v1/jobs", "application/json", 10_000, b'{"messages": [')
-    else:
-        sock = _open(server, "/v1/files", "multipart/form-data; boundary=xyz", 100_000, _multipart_start("xyz"))
+def test_a_client_that_leaves_mid_body_leaves_no_traceback(server: ApiServer, logs: LogRecords, route: str) -> None:
+    sock = _open_halfway(server, route)
     time.sleep(0.3)  # the app is reading the body
     sock.close()
     time.sleep(0.5)
