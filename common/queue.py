@@ -65,6 +65,10 @@ def make_celery(settings: Settings) -> Celery:
             "visibility_timeout": settings.broker_visibility_timeout,
             "queue_order_strategy": "priority",
             "priority_steps": list(range(10)),
+            # The in-process broker is polled: kombu's default sleeps a second whenever its queues are empty,
+            # so each message sent to an idle embedded worker (a run's first jobs, its finalize, the stop) waited
+            # up to that long. A poll of memory:// costs microseconds.
+            **({"polling_interval": 0.02} if settings.embedded_broker else {}),
         },
         task_default_priority=celery_priority(5),
         task_routes={

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import kombu
@@ -27,3 +29,28 @@ def test_embedded_setups_in_one_process_keep_their_batch_tasks_apart(tmp_path: P
         message = ours.get(timeout=5)
         assert message.headers["task"] == TASK_FINALIZE_BATCH
         message.ack()
+
+
+def test_an_idle_embedded_consumer_takes_a_message_at_once(tmp_path: Path) -> None:
+    """The in-process broker is polled: with kombu's default interval an idle consumer slept a second between
+    polls, and a run's first jobs, its finalize and the worker's stop each waited for it."""
+    settings = Settings(data_dir=tmp_path)
+    app = make_celery(settings)
+    sent: list[float] = []
+    received: list[float] = []
+
+    def send() -> None:
+        sent.append(time.monotonic())
+        send_finalize_batch(app, settings, "batch_x")
+
+    def take(body: object, message: kombu.Message) -> None:
+        received.append(time.monotonic())
+        message.ack()
+
+    with app.connection_for_read() as connection, connection.Consumer(
+            kombu.Queue(ingest_queue(settings)), callbacks=[take], accept=["json"]):
+        timer = threading.Timer(0.3, send)
+        timer.start()
+        connection.drain_events(timeout=5)
+        timer.join()
+    assert received and received[0] - sent[0] < 0.25, (sent, received)
