@@ -1,4 +1,4 @@
-"""The job state machine (DESIGN §2). The only module that writes a job's status.
+"""The job state machine (docs/architecture.md). The only module that writes a job's status.
 
 Every transition is one conditional UPDATE, so two workers, a reaper and a cancel can race freely: exactly one
 of them changes the row, the others see rowcount 0 and step back.

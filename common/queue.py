@@ -55,7 +55,7 @@ def make_celery(settings: Settings) -> Celery:
         result_backend=None,
         task_serializer="json",
         accept_content=["json"],
-        # A message is acked only after the job's result is persisted (DESIGN §2).
+        # A message is acked only after the job's result is persisted (docs/architecture.md).
         task_acks_late=True,
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,

@@ -1,4 +1,4 @@
-"""The job state machine (DESIGN §2) driven by Hypothesis against the real database, on SQLite and Postgres.
+"""The job state machine (docs/architecture.md) driven by Hypothesis against the real database, on SQLite and Postgres.
 
 Submits, claims by several workers, heartbeats, finishes, failures, releases, worker crashes (their leases put in
 the past), reaps and cancels come in any order. A plain-Python model predicts every outcome, and after each step

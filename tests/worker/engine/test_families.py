@@ -187,7 +187,7 @@ def test_packed_prefill_matches_separate_sequences(name: str, models: Callable[[
         torch.testing.assert_close(packed, torch.cat(alone), atol=1e-5, rtol=0)
         if name == "qwen2_vl":
             # Without the text row Qwen2VLTextModel builds one causal mask over the whole pack: the later
-            # sequences then attend to the earlier ones (DESIGN §3).
+            # sequences then attend to the earlier ones (docs/architecture.md).
             assert position_ids.shape == (4, 1, embeds.shape[1])
             leaky = lm(inputs_embeds=embeds, position_ids=position_ids[1:], use_cache=False).last_hidden_state[0]
             first = seqs[0][0].shape[0]
