@@ -12,7 +12,7 @@ The compiled layers' linears stay plain nn.Linear: inductor has no lowering for 
 On 256 small-model jobs (bench/engine_compile.py, Intel Xeon with AMX, 2 CPUs, medians of 4 alternating
 rounds): fp32 1.08-1.09x the eager engine's throughput with the same tokens, bf16 1.12-1.14x; tiny models,
 bound by Python per step, within noise. Compiling took ~6 s of the first steps from inductor's on-disk cache,
-~23 s without it (docs/benchmarks.md, ninth measurement).
+~23 s without it (docs/benchmarks.md, Settings measured).
 """
 
 from __future__ import annotations
