@@ -88,7 +88,7 @@ def main() -> None:
     settings = Settings(broker_url=broker_url, model=MODEL, retry_backoff_seconds=0)
     pipeline = PIPELINES[name](redis.Redis.from_url(broker_url))
     groups = JobGroupRunner(pipeline, concurrency + settings.job_ids_per_message)  # type: ignore[arg-type]
-    context.set_context(SimpleNamespace(settings=settings, pipeline=pipeline, groups=groups))  # type: ignore[arg-type]
+    context.set_context(SimpleNamespace(settings=settings, pipeline=pipeline, chunks=groups))  # type: ignore[arg-type]
     app = make_celery(settings)
     tasks.register_tasks(app)
     app.worker_main(["worker", "-Q", settings.job_queue, "-P", "threads", "-c", str(concurrency),

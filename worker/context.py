@@ -14,6 +14,7 @@ from common.db import Database, get_database
 from common.settings import Settings, get_settings
 from common.storage import ObjectStore, make_store
 from worker.batcher import BatchingGenerator, Generator
+from worker.chunk_runner import ChunkRunner
 from worker.job_group import JobGroupRunner
 from worker.leases import LeaseKeeper
 from worker.pipeline import JobPipeline
@@ -34,14 +35,14 @@ class WorkerContext:
     generator: Generator
     leases: LeaseKeeper
     pipeline: JobPipeline
-    groups: JobGroupRunner  # runs the jobs of a message that carries several
+    chunks: ChunkRunner  # runs the rows of a message that carries several
     worker_id: str
     telemetry: WorkerTelemetry | None = None  # metrics and the live record of this worker (status page)
 
     def close(self) -> None:
         if self.telemetry is not None:
             self.telemetry.close()
-        self.groups.close()
+        self.chunks.pool.close()
         self.pipeline.close()
         self.generator.close()
         self.leases.close()
@@ -77,8 +78,9 @@ def build_context(settings: Settings) -> WorkerContext:
                                 pipeline.prepare_pool).start()
     # A message may arrive while all but one of the worker's slots are taken (worker/prefetch_share.py): its
     # jobs then briefly exceed worker_concurrency by up to job_ids_per_message - 1.
-    groups = JobGroupRunner(pipeline, settings.worker_concurrency + settings.job_ids_per_message)
-    return WorkerContext(settings, db, store, generator, leases, pipeline, groups, worker_id, telemetry)
+    pool = JobGroupRunner(pipeline, settings.worker_concurrency + settings.job_ids_per_message)
+    chunks = ChunkRunner(pipeline, pool)
+    return WorkerContext(settings, db, store, generator, leases, pipeline, chunks, worker_id, telemetry)
 
 
 def engine_config(settings: Settings) -> EngineConfig:

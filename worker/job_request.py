@@ -24,6 +24,9 @@ class JobImages:
     pixels: int
 
 
+NO_IMAGES = JobImages([], 0)  # a text-only job's
+
+
 def has_images(request: dict[str, Any]) -> bool:
     return any(part["type"] == "image" for message in request["messages"] for part in message["content"])
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +37,7 @@ class LoadedModel:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    @property
+    @cached_property
     def max_positions(self) -> int | None:
         text_config = self.model.config.get_text_config()
         return getattr(text_config, "max_position_embeddings", None)

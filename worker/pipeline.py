@@ -115,6 +115,10 @@ class JobPipeline:
 
     def _run_leased(self, job: ClaimedJob) -> Outcome:
         self.leases.add(job.id)
+        return self.run_held(job)
+
+    def run_held(self, job: ClaimedJob) -> Outcome:
+        """Run a job this worker has claimed and whose lease it keeps (leases.add), then let the lease go."""
         try:
             outcome = self._run_claimed(job)
         finally:
@@ -154,35 +158,48 @@ class JobPipeline:
             with self.clock.stage("engine"):
                 result = self.generator.submit(prepared).result()
         except (InputError, ImageError) as exc:
-            return self._fail(job, "invalid_input", str(exc))
+            return self.fail(job, "invalid_input", str(exc))
         except ObjectNotFound as exc:
-            return self._fail(job, "image_missing", f"image object {exc.args[0]} is missing from storage")
+            return self.fail(job, "image_missing", f"image object {exc.args[0]} is missing from storage")
         except Exception as exc:
             log.exception("job %s failed on attempt %d", job.id, job.attempts)
-            return self._release(job, "worker_error", f"{type(exc).__name__}: {exc}")
+            return self.release(job, "worker_error", f"{type(exc).__name__}: {exc}")
 
         # A single REST job's response is an object of its own; a batch row's result is the row itself (the
         # output file and GET /v1/jobs/{id}/result are rendered from it), so a row costs no object write.
         key = None if job.batch_id is not None else result_key(job.id, job.tenant)
         job_result = jobs.JobResult(key, result.text, result.finish_reason, result.prompt_tokens,
                                     result.completion_tokens)
-        try:
-            if key is not None:
-                body = chat_completion(
-                    job.id, job.model, int(job.created_at.timestamp()), result.text, result.finish_reason,
-                    result.prompt_tokens, result.completion_tokens,
-                )
+        if key is not None:
+            body = chat_completion(
+                job.id, job.model, int(job.created_at.timestamp()), result.text, result.finish_reason,
+                result.prompt_tokens, result.completion_tokens,
+            )
+            try:
                 with self.clock.stage("persist"):
                     self._result_retry(self._persist, key, body)
+            except Exception as exc:
+                log.exception("job %s could not be persisted", job.id)
+                return self.release(job, "persist_error", f"{type(exc).__name__}: {exc}")
+        return self.finish(job, job_result)
+
+    def finish(self, job: ClaimedJob, job_result: jobs.JobResult) -> Outcome:
+        """Record a claimed job's result (its object, if any, already stored), retrying SQL trouble for a while
+        before handing the job back to the queue."""
+        try:
             with self.clock.stage("finish"):
                 finished = self._result_retry(self._finish, job.id, job_result)
         except Exception as exc:
             log.exception("job %s could not be persisted", job.id)
-            return self._release(job, "persist_error", f"{type(exc).__name__}: {exc}")
+            return self.release(job, "persist_error", f"{type(exc).__name__}: {exc}")
+        return self.finished(job, job_result, finished)
+
+    def finished(self, job: ClaimedJob, job_result: jobs.JobResult, finished: bool) -> Outcome:
+        """The outcome of a finish that was (True) or was not (False) accepted."""
         if not finished:
             log.info("job %s: lease lost or cancelled; result discarded", job.id)
-            if key is not None:
-                self._drop_orphan(job.id, key)
+            if job_result.result_key is not None:
+                self._drop_orphan(job.id, job_result.result_key)
             return Outcome("lost")
         return Outcome(JobStatus.SUCCEEDED)
 
@@ -214,13 +231,13 @@ class JobPipeline:
             self.prepare_pool.close()
 
     @infra_retry
-    def _fail(self, job: ClaimedJob, code: str, message: str) -> Outcome:
+    def fail(self, job: ClaimedJob, code: str, message: str) -> Outcome:
         with self.db.session() as session:
             failed = jobs.fail(session, job.id, self.worker_id, code, message)
         return Outcome(JobStatus.FAILED if failed else "lost")
 
     @infra_retry
-    def _release(self, job: ClaimedJob, code: str, message: str) -> Outcome:
+    def release(self, job: ClaimedJob, code: str, message: str) -> Outcome:
         with self.db.session() as session:
             status = jobs.release(session, job.id, self.worker_id, code, message)
         if status is None:

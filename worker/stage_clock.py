@@ -25,7 +25,8 @@ class StageClock:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @contextmanager
-    def stage(self, name: str) -> Iterator[None]:
+    def stage(self, name: str, calls: int = 1) -> Iterator[None]:
+        """`calls`: how many jobs the stage served at once (a chunk's claim serves all its rows)."""
         start = time.thread_time()
         try:
             yield
@@ -33,7 +34,7 @@ class StageClock:
             spent = time.thread_time() - start
             with self._lock:
                 self.seconds[name] = self.seconds.get(name, 0.0) + spent
-                self.calls[name] = self.calls.get(name, 0) + 1
+                self.calls[name] = self.calls.get(name, 0) + calls
 
     def snapshot(self) -> dict[str, tuple[float, int]]:
         """Per stage: (CPU seconds, calls) so far."""

@@ -66,9 +66,28 @@ class StateWriter:
         """common.jobs.claim(..., unless_last_try=True) of this one job, grouped with other threads' claims."""
         return self._ask(_Request(job_id, None))  # type: ignore[no-any-return]
 
+    def claim_all(self, job_ids: list[str]) -> dict[str, ClaimedJob | Exception | None]:
+        """`claim` of each job, asked for together so that they share a group: a chunk's claim. Each id maps to
+        its claimed job, None (someone else holds it, it has ended, or this is its last try) or the error its
+        claim met."""
+        requests = [_Request(job_id, None) for job_id in dict.fromkeys(job_ids)]
+        self._put(*requests)
+        answers: dict[str, ClaimedJob | Exception | None] = {}
+        for request in requests:
+            error = request.answer.exception()
+            answers[request.job_id] = error if isinstance(error, Exception) else request.answer.result()
+        return answers
+
     def finish(self, job_id: str, result: jobs.JobResult) -> bool:
         """common.jobs.finish of this one job, grouped with other threads' finishes."""
         return bool(self._ask(_Request(job_id, result)))
+
+    def finish_later(self, job_id: str, result: jobs.JobResult) -> Future[bool]:
+        """`finish` without waiting: the future answers whether the job was finished, on the writer's thread
+        (callbacks added to it run there, so they must not block)."""
+        request = _Request(job_id, result)
+        self._put(request)
+        return request.answer
 
     def close(self, timeout: float = 10.0) -> None:
         with self._lock:
@@ -81,11 +100,15 @@ class StateWriter:
             self.db.dispose()
 
     def _ask(self, request: _Request) -> Any:
+        self._put(request)
+        return request.answer.result()
+
+    def _put(self, *requests: _Request) -> None:
         with self._lock:
             if self._closed:
                 raise RuntimeError("state writer is closed")
-            self._queue.put(request)
-        return request.answer.result()
+            for request in requests:
+                self._queue.put(request)
 
     def _run(self) -> None:
         while (group := next_group(self._queue, self.max_group, self.linger_seconds)) is not None:

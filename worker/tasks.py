@@ -172,8 +172,8 @@ def register_tasks(app: Celery) -> None:
 
 
 def _run_jobs(task: Task, app: Celery, ctx: WorkerContext, job_ids: list[str]) -> list[str]:
-    """The jobs of one message side by side; those to run again (released, or not reached for SQL trouble)
-    go back in one message of their own, as a lone job's message would be retried."""
+    """The rows of one message as a chunk (worker/chunk_runner.py); those to run again (released, or not
+    reached for SQL trouble) go back in one message of their own, as a lone job's message would be retried."""
     task_id = task.request.id
 
     def ended(job_id: str, result: Outcome | Exception) -> None:
@@ -182,7 +182,7 @@ def _run_jobs(task: Task, app: Celery, ctx: WorkerContext, job_ids: list[str]) -
             _after_job(app, ctx.db, ctx.settings, job_id, result)
 
     try:
-        results = ctx.groups.run(job_ids, on_job_done=ended)
+        results = ctx.chunks.run(job_ids, on_job_done=ended)
     finally:
         _prefetch.give_back(task_id)
     again = [job_id for job_id, result in zip(job_ids, results, strict=True)

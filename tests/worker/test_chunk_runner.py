@@ -1,0 +1,211 @@
+"""worker/chunk_runner.py: the rows of one run_job message claimed together, fed to the model from the message's
+thread and finished as each ends; on SQLite and a local folder, with a model that stands in for the engine."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future
+from pathlib import Path
+
+import pytest
+from sqlalchemy import update
+
+from common import jobs
+from common.db import Database, get_database
+from common.migrate import upgrade
+from common.models import Job, JobStatus
+from common.settings import Settings
+from common.storage import ObjectStore, make_store, result_key
+from worker.chunk_runner import ChunkRunner
+from worker.generation import GenerationRequest, GenerationResult, InputError
+from worker.job_group import JobGroupRunner
+from worker.leases import LeaseKeeper
+from worker.pipeline import JobPipeline, Outcome
+
+MODEL = "stand-in"
+
+
+def _request(text: str) -> dict[str, object]:
+    return {"messages": [{"role": "user", "content": [{"type": "text", "text": text}]}],
+            "sampling": {"max_tokens": 4, "temperature": 0.0, "top_p": 1.0, "top_k": None, "seed": None,
+                         "stop": []}}
+
+
+class _HeldModel:
+    """Answers each prompt with its own text reversed, once `release(text)` (or release_all) says so; a prompt
+    "bad input" is refused at prepare and "crash" fails in generation."""
+
+    def __init__(self, hold: bool) -> None:
+        self.hold = hold
+        self.prepare_threads: set[str] = set()
+        self._futures: dict[str, tuple[str, Future[GenerationResult]]] = {}
+        self._lock = threading.Lock()
+
+    def prepare(self, req: GenerationRequest) -> GenerationRequest:
+        self.prepare_threads.add(threading.current_thread().name)
+        if req.messages[0]["content"][0]["text"] == "bad input":
+            raise InputError("the prompt is refused")
+        return req
+
+    def submit(self, req: GenerationRequest) -> Future[GenerationResult]:
+        text = req.messages[0]["content"][0]["text"]
+        future: Future[GenerationResult] = Future()
+        with self._lock:
+            self._futures[text] = (req.request_id, future)
+        if not self.hold:
+            self.release(text)
+        return future
+
+    def release(self, text: str) -> None:
+        with self._lock:
+            request_id, future = self._futures.pop(text)
+        if text == "crash":
+            future.set_exception(RuntimeError("the engine fell over"))
+        else:
+            future.set_result(GenerationResult(request_id, text[::-1], [1], "stop", 3, 1))
+
+    def release_all(self) -> None:
+        with self._lock:
+            texts = list(self._futures)
+        for text in texts:
+            self.release(text)
+
+    def abort(self, request_id: str) -> None:
+        pass
+
+    def close(self, timeout: float = 10.0) -> None:
+        pass
+
+
+@pytest.fixture
+def local(tmp_path: Path) -> Iterator[tuple[Settings, Database, ObjectStore]]:
+    settings = Settings(data_dir=tmp_path, model=f"/models/{MODEL}", persist_retry_seconds=1, retry_backoff_seconds=0)
+    upgrade(settings.database_url)
+    yield settings, get_database(settings.database_url), make_store(settings)
+
+
+def _runner(local: tuple[Settings, Database, ObjectStore], model: _HeldModel) -> ChunkRunner:
+    settings, db, store = local
+    leases = LeaseKeeper(db, "worker-1", settings.lease_seconds, 3600)
+    pipeline = JobPipeline(settings, db, store, model, leases, "worker-1")  # type: ignore[arg-type]
+    return ChunkRunner(pipeline, JobGroupRunner(pipeline, 8))
+
+
+def _close(runner: ChunkRunner) -> None:
+    runner.pool.close()
+    runner.pipeline.close()
+    runner.pipeline.leases.close()
+
+
+def _rows(db: Database, texts: list[str], batch_id: str | None = "batch_x") -> list[str]:
+    with db.session() as session:
+        return [jobs.create_job(session, model=MODEL, request=_request(text), tenant="acme", batch_id=batch_id).id
+                for text in texts]
+
+
+def _statuses(db: Database, job_ids: list[str]) -> dict[str, tuple[str, str | None, str | None]]:
+    with db.session() as session:
+        rows = {job.id: (job.status, job.result_text, job.result_key)
+                for job in session.query(Job).filter(Job.id.in_(job_ids))}
+    return {job_id: rows[job_id] for job_id in job_ids}
+
+
+def test_a_chunk_ends_every_kind_of_row_as_its_own_message_would(local: tuple[Settings, Database, ObjectStore]) -> None:
+    _, db, store = local
+    model = _HeldModel(hold=False)
+    runner = _runner(local, model)
+    rows = _rows(db, ["one", "two", "bad input", "crash", "three"])
+    [single] = _rows(db, ["alone"], batch_id=None)
+    [held] = _rows(db, ["held elsewhere"])
+    with db.session() as session:
+        assert jobs.claim(session, held, "worker-2", 600) is not None
+    ended: list[tuple[str, Outcome | Exception]] = []
+    try:
+        outcomes = runner.run([*rows, single, held, rows[0]], on_job_done=lambda j, o: ended.append((j, o)))
+    finally:
+        _close(runner)
+    one, two, bad, crash, three = rows
+    assert [o.status if isinstance(o, Outcome) else o for o in outcomes] == [
+        "succeeded", "succeeded", "failed", "queued", "succeeded", "succeeded", "skipped", "skipped"]
+    assert isinstance(outcomes[3], Outcome) and outcomes[3].retry  # released: the message runs it again
+    assert all(isinstance(o, Outcome) and o.tenant == "acme" and o.model == MODEL for o in outcomes[:6])
+    status = _statuses(db, [*rows, single, held])
+    assert status[one] == ("succeeded", "eno", None)  # a batch row's result is its row
+    assert status[two][:2] == ("succeeded", "owt") and status[three][:2] == ("succeeded", "eerht")
+    assert status[bad][0] == "failed" and status[crash][0] == "queued"
+    assert status[single] == ("succeeded", "enola", result_key(single, "acme"))  # a single job keeps its object
+    assert store.get(result_key(single, "acme"))
+    assert status[held][0] == "running"  # another worker's: untouched
+    # Each row is reported once as it ends, the duplicate and the skipped one included.
+    assert sorted(job_id for job_id, _ in ended) == sorted([*rows, single, held])
+    # Batch rows were prepared on the message's thread; only the single job went to a job thread.
+    assert threading.current_thread().name in model.prepare_threads
+    assert {name for name in model.prepare_threads if name.startswith("vlmq-job")}
+    assert not runner.pipeline.leases.held()
+
+
+def test_rows_are_finished_as_they_end_not_at_the_chunks_end(local: tuple[Settings, Database, ObjectStore]) -> None:
+    _, db, _ = local
+    model = _HeldModel(hold=True)
+    runner = _runner(local, model)
+    rows = _rows(db, [f"row {i}" for i in range(6)])
+    result: list[list[Outcome | Exception]] = []
+    thread = threading.Thread(target=lambda: result.append(runner.run(rows)))
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while len(model._futures) < len(rows):  # every row submitted, none answered
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert {s for s, *_ in _statuses(db, rows).values()} == {"running"}
+        model.release("row 2")
+        while _statuses(db, rows)[rows[2]][0] != "succeeded":
+            assert time.monotonic() < deadline, "the row that ended was not finished while the others ran"
+            time.sleep(0.01)
+        assert [s for s, *_ in _statuses(db, rows).values()].count("running") == 5
+        assert thread.is_alive()
+        model.release_all()
+        thread.join(30)
+    finally:
+        model.release_all()
+        thread.join(30)
+        _close(runner)
+    assert [o.status for o in result[0] if isinstance(o, Outcome)] == ["succeeded"] * 6
+    # One group claimed the chunk; finishes were grouped too, never one transaction a row.
+    assert runner.pipeline.writer.num_transactions < len(rows) + 1
+
+
+def test_a_last_try_in_a_chunk_runs_alone_after_the_chunks_other_rows(
+        local: tuple[Settings, Database, ObjectStore]) -> None:
+    _, db, _ = local
+    model = _HeldModel(hold=False)
+    runner = _runner(local, model)
+    rows = _rows(db, ["first", "last try", "third"])
+    with db.session() as session:
+        session.execute(update(Job).where(Job.id == rows[1]).values(attempts=Job.max_attempts - 1))
+    try:
+        outcomes = runner.run(rows)
+    finally:
+        _close(runner)
+    assert [o.status for o in outcomes if isinstance(o, Outcome)] == ["succeeded"] * 3
+    assert _statuses(db, rows)[rows[1]][:2] == ("succeeded", "yrt tsal")
+
+
+def test_a_chunk_whose_claim_cannot_reach_sql_hands_every_row_back(
+        local: tuple[Settings, Database, ObjectStore], monkeypatch: pytest.MonkeyPatch) -> None:
+    _, db, _ = local
+    runner = _runner(local, _HeldModel(hold=False))
+    rows = _rows(db, ["a", "b"])
+
+    def unreachable(job_ids: list[str]) -> dict[str, object]:
+        raise ConnectionError("SQL is unreachable")
+
+    monkeypatch.setattr(runner.pipeline.writer, "claim_all", unreachable)
+    try:
+        outcomes = runner.run(rows)
+    finally:
+        _close(runner)
+    assert all(isinstance(o, ConnectionError) for o in outcomes)
+    assert {s for s, *_ in _statuses(db, rows).values()} == {JobStatus.QUEUED}
