@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -206,10 +207,12 @@ def run(
     from worker.embedded import DataDirBusy
     from worker.local_run import run_file
 
+    global _exit_at_once
     settings = _settings(model=model, data_dir=data_dir)
     if not settings.model:
         raise typer.BadParameter("no model: pass --model PATH_OR_ID or set VLMQ_MODEL", param_hint="--model")
     console = Console(stderr=True)
+    _exit_at_once = True
     try:
         summary = run_file(input_path, output, settings, console, images=images)
     except (ValueError, OSError, ImportError, NotImplementedError, DataDirBusy) as exc:
@@ -308,9 +311,24 @@ def _add_batch_commands() -> None:
 _add_batch_commands()
 
 
+# Set by a command whose process has nothing left to tear down once it returns (see main).
+_exit_at_once = False
+
+
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    app()
+    try:
+        app()
+    except SystemExit as done:
+        if not _exit_at_once:
+            raise
+        # `vlmq run` has written its output and stopped its worker: the interpreter's teardown of torch and
+        # the model would only keep the user waiting, and an engine child ends on its own when its pipe closes.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+        os._exit(code)
 
 
 if __name__ == "__main__":

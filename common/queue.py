@@ -70,6 +70,8 @@ def make_celery(settings: Settings) -> Celery:
             # up to that long. A poll of memory:// costs microseconds.
             **({"polling_interval": 0.02} if settings.embedded_broker else {}),
         },
+        # memory:// through a subclass that stops at once (common/embedded_transport.py).
+        **({"broker_transport": "common.embedded_transport:Transport"} if settings.embedded_broker else {}),
         task_default_priority=celery_priority(5),
         task_routes={
             TASK_RUN_JOB: {"queue": settings.job_queue},

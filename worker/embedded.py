@@ -10,6 +10,7 @@ import fcntl
 import logging
 import threading
 from collections.abc import Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -102,25 +103,49 @@ def resume_ingestions(app: Celery, settings: Settings) -> int:
 
 
 @contextmanager
-def embedded_worker(app: Celery, settings: Settings, ready_timeout: float = 120.0) -> Iterator[WorkController]:
-    """Run a threads-pool worker for `settings.job_queue` and the batch tasks' queue until the block exits."""
+def embedded_worker(app: Celery, settings: Settings, ready_timeout: float = 120.0, *,
+                    model_loaded: Future[None] | None = None) -> Iterator[WorkController]:
+    """Run a threads-pool worker for `settings.job_queue` and the batch tasks' queue until the block exits.
+
+    The model is loaded before the worker consumes, so that a bad model stops the start; `model_loaded` (from
+    load_in_background) says it is being loaded already, and jobs wait for it."""
     with _sole_owner(settings.data_dir):
         resent, running = take_over(settings)
         if resent or running:
             log.warning("took over from an earlier process: %d queued jobs to send again, %d it was running",
                         resent, running)
-        with _embedded_worker(app, settings, ready_timeout) as worker:
+        with _embedded_worker(app, settings, ready_timeout, model_loaded) as worker:
             yield worker
 
 
+def load_in_background(settings: Settings) -> Future[None]:
+    """Load the worker's model (its context) on a thread of its own, beside whatever the caller does meanwhile
+    (`vlmq run` stores, checks and queues its input); the future says when it is loaded, or why it could not
+    be."""
+    loaded: Future[None] = Future()
+
+    def load() -> None:
+        try:
+            get_context(settings)
+        except BaseException as exc:
+            loaded.set_exception(exc)
+        else:
+            loaded.set_result(None)
+
+    threading.Thread(target=load, name="vlmq-model-load", daemon=True).start()
+    return loaded
+
+
 @contextmanager
-def _embedded_worker(app: Celery, settings: Settings, ready_timeout: float) -> Iterator[WorkController]:
+def _embedded_worker(app: Celery, settings: Settings, ready_timeout: float,
+                     model_loaded: Future[None] | None) -> Iterator[WorkController]:
     # memory:// has no host by design; kombu would warn about it on every connection.
     logging.getLogger("kombu.connection").setLevel(logging.ERROR)
     register_tasks(app)
     app.finalize()
     app.set_default()  # tasks' self.app / self.retry must reach this app's broker, not Celery's default
-    get_context(settings)  # load the model before consuming, so start-up errors surface here
+    if model_loaded is None:
+        get_context(settings)
     worker = _ThreadWorker(
         app=app,
         concurrency=settings.worker_concurrency,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,8 +84,27 @@ def error_key(batch_id: str, tenant: str) -> str:
     return f"{tenant_prefix(tenant)}batches/{batch_id}/errors.jsonl"
 
 
+# Told whenever a batch ends in this process, so that `vlmq run` learns of its batch's end at once instead of
+# at its next look.
+_batch_ended = threading.Condition()
+
+
+def wait_for_a_batch_end(timeout: float) -> None:
+    """Until a batch ends in this process, or `timeout` seconds."""
+    with _batch_ended:
+        _batch_ended.wait(timeout)
+
+
 def finalize_batch(batch_id: str, db: Database, store: ObjectStore) -> str:
     """End the batch if all its jobs are terminal; returns its status afterwards."""
+    try:
+        return _finalize_batch(batch_id, db, store)
+    finally:
+        with _batch_ended:
+            _batch_ended.notify_all()
+
+
+def _finalize_batch(batch_id: str, db: Database, store: ObjectStore) -> str:
     final: BatchStatus | None
     with db.session() as session:
         batch = session.get(Batch, batch_id)

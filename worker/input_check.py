@@ -56,6 +56,19 @@ def unrunnable_input(path: Path, settings: Settings) -> UnrunnableInput | None:
     return UnrunnableInput([e.as_batch_error() for e in refused[:MAX_LISTED_ERRORS]], refused)
 
 
+def at_most_lines(path: Path, max_lines: int) -> bool:
+    """Whether the file (a regular one: a pipe cannot be read twice) holds at most `max_lines` lines; reads no
+    further than the line after them."""
+    if not path.is_file():
+        return False
+    lines = 0
+    for chunk in _chunks(path):
+        lines += chunk.count(b"\n")
+        if lines > max_lines:
+            return False
+    return True
+
+
 def _chunks(path: Path) -> Iterator[bytes]:
     with path.open("rb") as f:
         while chunk := f.read(CHUNK_BYTES):

@@ -12,6 +12,7 @@ import hashlib
 import json
 import time
 from collections import Counter
+from concurrent.futures import Future
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,12 +43,17 @@ from common.models import (
 from common.queue import make_celery, send_run_jobs
 from common.settings import Settings
 from common.storage import ObjectStore, make_store
-from worker.embedded import embedded_worker
+from worker.embedded import embedded_worker, load_in_background
 from worker.ingest import IngestDeps, ingest_batch
-from worker.input_check import UnrunnableInput, unrunnable_input
+from worker.input_check import UnrunnableInput, at_most_lines, unrunnable_input
 
 COPY_CHUNK_BYTES = 1 << 20
 ROWS_PER_READ = 1000
+# Up to this many lines, the engine runs in this process rather than a child of its own: the child keeps the
+# engine's Python off the GIL that feeds it, which pays on a long run, but it imports torch and loads the model
+# a second time before its first step, which a short run waits for and never earns back (bench/run_startup.py).
+IN_PROCESS_ENGINE_LINES = 1000
+PROGRESS_SECONDS = 0.2
 _RESUMABLE = (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS, BatchStatus.FINALIZING)
 
 
@@ -143,12 +149,15 @@ def run_file(input_path: Path, output_path: Path, settings: Settings, console: C
     check_output_path(input_path, output_path)
     if (unrunnable := unrunnable_input(input_path, settings)) is not None:
         return _refuse_file(unrunnable, output_path)
+    settings = run_settings(settings, input_path)
+    # The model loads while the database is readied and the input stored, checked and queued; jobs wait for it.
+    model_loaded = load_in_background(settings)
     upgrade(settings.database_url)
     db = get_database(settings.database_url)
     store = make_store(settings)
     app = make_celery(settings)
     summary = RunSummary()
-    with embedded_worker(app, settings):
+    with embedded_worker(app, settings, model_loaded=model_loaded):
         started = time.monotonic()  # throughput counts the jobs, not the model load
         summary.batch_id, _ = _start_batch(db, store, settings, input_path, images, console)
 
@@ -161,10 +170,17 @@ def run_file(input_path: Path, output_path: Path, settings: Settings, console: C
         # What an interrupted run had queued but not sent (ingestion tops up only while it reads lines).
         top_up(db, DEFAULT_TENANT, settings.served_model_name, settings.dispatch_window,
                lambda _model, ids, priority: dispatch(settings, ids, priority))
-        _wait(db, app, settings, summary, console)
+        _wait(db, app, settings, summary, console, model_loaded)
         summary.elapsed_s = time.monotonic() - started
     _write_output(db, summary, output_path, _expected_answers(db, store, settings, summary.batch_id))
     return summary
+
+
+def run_settings(settings: Settings, input_path: Path) -> Settings:
+    """The settings for a run of this file: a short one runs the engine in this process, unless told where."""
+    if "engine_process" not in settings.model_fields_set and at_most_lines(input_path, IN_PROCESS_ENGINE_LINES):
+        return settings.model_copy(update={"engine_process": False})
+    return settings
 
 
 def _refuse_file(unrunnable: UnrunnableInput, path: Path) -> RunSummary:
@@ -203,8 +219,10 @@ def _expected_answers(db: Database, store: ObjectStore, settings: Settings, batc
     return expected
 
 
-def _wait(db: Database, app: Any, settings: Settings, summary: RunSummary, console: Console) -> None:
+def _wait(db: Database, app: Any, settings: Settings, summary: RunSummary, console: Console,
+          model_loaded: Future[None]) -> None:
     from common.queue import send_finalize_batch
+    from worker.finalize import wait_for_a_batch_end
 
     columns = (TextColumn("[bold]vlmq run"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[detail]}"),
                TimeElapsedColumn(), TimeRemainingColumn())
@@ -230,7 +248,9 @@ def _wait(db: Database, app: Any, settings: Settings, summary: RunSummary, conso
                     batch = session.get(Batch, summary.batch_id)
                     summary.errors = list(batch.errors or []) if batch is not None else []
                 return
-            time.sleep(0.2)
+            if model_loaded.done():
+                model_loaded.result()  # a model that could not load ends the run with its error
+            wait_for_a_batch_end(PROGRESS_SECONDS)
 
 
 def _write_output(db: Database, summary: RunSummary, path: Path,

@@ -72,6 +72,12 @@ def batch_context(app: Celery) -> BatchContext:
         return ctx
 
 
+def _model_retry_seconds(app: Celery) -> float:
+    """How long a job waits before trying again for a model that failed to load."""
+    settings = app_settings(app) or get_settings()
+    return max(settings.retry_backoff_seconds, 5.0)
+
+
 def _backoff(task: Task, base: float) -> float:
     return min(base * (2 ** max(0, task.request.retries)), 300.0)
 
@@ -84,7 +90,13 @@ def register_tasks(app: Celery) -> None:
     @app.task(shared=False, name=TASK_RUN_JOB, bind=True, acks_late=True, max_retries=None)
     def run_job(self: Task, job_ids: str | list[str]) -> str | list[str]:
         """One job (its id), or several sent together (a list of ids: common/queue.run_job_args)."""
-        ctx = get_context()
+        try:
+            # The app's settings: in an embedded run they are the run's, not the environment's.
+            ctx = get_context(app_settings(app))
+        except Exception as exc:
+            # No model to run on (it failed to load): the message waits, the job stays queued.
+            log.error("cannot run jobs: the worker's model failed to load: %s", exc)
+            raise self.retry(countdown=_model_retry_seconds(app), max_retries=None) from None
         if isinstance(job_ids, list):
             return _run_jobs(self, app, ctx, [str(job_id) for job_id in job_ids])
         try:

@@ -54,3 +54,21 @@ def test_an_idle_embedded_consumer_takes_a_message_at_once(tmp_path: Path) -> No
         connection.drain_events(timeout=5)
         timer.join()
     assert received and received[0] - sent[0] < 0.25, (sent, received)
+
+
+def test_an_idle_embedded_worker_stops_at_once(tmp_path: Path) -> None:
+    """Celery's loop for the in-process broker looked for a stop only between drains of up to two seconds, and
+    every `vlmq run` waited that long at its end (common/embedded_transport.py)."""
+    from concurrent.futures import Future
+
+    from common.migrate import upgrade
+    from worker.embedded import embedded_worker
+
+    settings = Settings(data_dir=tmp_path, model="not-loaded")
+    upgrade(settings.database_url)
+    loaded: Future[None] = Future()
+    loaded.set_result(None)  # the worker takes no job here: its model is never needed
+    with embedded_worker(make_celery(settings), settings, model_loaded=loaded):
+        time.sleep(0.5)  # idle, inside a drain
+        asked = time.monotonic()
+    assert time.monotonic() - asked < 1.0

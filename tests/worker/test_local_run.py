@@ -285,3 +285,32 @@ def test_a_file_nothing_of_which_can_run_is_refused_before_the_model_loads(tmp_p
         assert all(r["error"]["code"] for r in refused)
         assert len(refused) == (2 if name == "junk.jsonl" else 0)
     assert not (tmp_path / "state").exists()  # no database, no object store
+
+
+def test_a_short_file_runs_the_engine_in_this_process_unless_told_otherwise(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine child imports torch and loads the model a second time before its first step: a short run
+    waits for that and never earns it back (bench/run_startup.py)."""
+    from common.settings import Settings
+    from worker.local_run import IN_PROCESS_ENGINE_LINES, run_settings
+
+    short, long = tmp_path / "short.jsonl", tmp_path / "long.jsonl"
+    short.write_text("{}\n" * IN_PROCESS_ENGINE_LINES)
+    long.write_text("{}\n" * (IN_PROCESS_ENGINE_LINES + 1))
+    monkeypatch.delenv("VLMQ_ENGINE_PROCESS", raising=False)
+    assert run_settings(Settings(data_dir=tmp_path), short).engine_process is False
+    assert run_settings(Settings(data_dir=tmp_path), long).engine_process is True
+    assert run_settings(Settings(data_dir=tmp_path), tmp_path).engine_process is True  # not a file: unknown size
+    monkeypatch.setenv("VLMQ_ENGINE_PROCESS", "true")
+    assert run_settings(Settings(data_dir=tmp_path), short).engine_process is True
+
+
+def test_a_model_that_cannot_load_ends_the_run_with_its_error(tmp_path: Path) -> None:
+    """The model loads beside the input's storing and queueing: its failure still ends the run at once, with
+    the reason, rather than leaving the run waiting on jobs that cannot start."""
+    source, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text(json.dumps({"custom_id": "a", "body": {"messages": [{"role": "user", "content": "x"}]}}) + "\n")
+    failed = _run_cli(tmp_path / "no-such-model", tmp_path / "state", str(source), "-o", str(output))
+    assert isinstance(failed, subprocess.CompletedProcess)
+    assert failed.returncode == 2 and "error" in _flat(failed.stderr), failed.stderr[-2000:]
+    assert "Traceback" not in failed.stderr, failed.stderr
