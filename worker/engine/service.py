@@ -23,6 +23,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future
+from typing import Literal
 
 from worker.engine.engine import Engine
 from worker.engine.model_runner import PreparedInput
@@ -32,6 +33,10 @@ log = logging.getLogger(__name__)
 
 
 class EngineService:
+    """An `EngineGenerator` (worker/batcher.py) whose engine runs in this process."""
+
+    takes_engine_inputs: Literal[True] = True
+
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
