@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, cast
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Connection, CursorResult, Engine, Executable, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -18,6 +19,12 @@ def normalize_url(url: str) -> str:
     if url.startswith("postgresql://"):
         url = "postgresql+psycopg://" + url[len("postgresql://") :]
     return url
+
+
+def rowcount(session: Session | Connection, stmt: Executable) -> int:
+    """Run an UPDATE or DELETE and say how many rows it matched. Session.execute is typed to return a Result;
+    for such a statement it is the CursorResult that has the count."""
+    return cast(CursorResult[Any], session.execute(stmt)).rowcount
 
 
 def make_engine(url: str, *, pre_ping: bool = True, pool_size: int = 40) -> Engine:

@@ -385,7 +385,7 @@ def _apply_exif_orientation(im: Image.Image) -> Image.Image:
     # decode_image took. Leaving the `with` of its opening only drops the file, never the loaded pixels.
     # Cameras and editors write plenty of malformed EXIF; a broken orientation tag is no reason to reject pixels
     # that decoded fine, so such an image is used as stored.
-    with suppress(_DECODE_ERRORS):
+    with suppress(*_DECODE_ERRORS):
         ImageOps.exif_transpose(im, in_place=True)
     return im
 

@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session
 from sqlalchemy.sql.elements import BindParameter
 
 from common.claimed_job import CLAIMED_COLUMNS, ClaimedJob
+from common.db import rowcount
 from common.models import DEFAULT_TENANT, Job, JobStatus, NulSafeText, UTCDateTime, new_id, utcnow
 
 
@@ -192,7 +193,7 @@ def heartbeat(session: Session, job_ids: list[str], worker_id: str, lease_second
         .values(lease_until=utcnow() + timedelta(seconds=lease_seconds))
         .execution_options(synchronize_session=False)
     )
-    return session.execute(stmt).rowcount
+    return rowcount(session, stmt)
 
 
 def held_by(session: Session, job_ids: list[str], worker_id: str) -> set[str]:
@@ -214,7 +215,7 @@ def finish(session: Session | Connection, job_id: str, worker_id: str, result: J
                                     result.prompt_tokens, result.completion_tokens))
         .execution_options(synchronize_session=False)
     )
-    return session.execute(stmt).rowcount == 1
+    return rowcount(session, stmt) == 1
 
 
 def finish_many(session: Session | Connection, worker_id: str, results: dict[str, JobResult]) -> set[str]:
@@ -246,7 +247,7 @@ def fail(session: Session, job_id: str, worker_id: str, code: str, message: str)
         )
         .execution_options(synchronize_session=False)
     )
-    return session.execute(stmt).rowcount == 1
+    return rowcount(session, stmt) == 1
 
 
 def release(session: Session, job_id: str, worker_id: str, code: str, message: str) -> str | None:
@@ -261,7 +262,7 @@ def release(session: Session, job_id: str, worker_id: str, code: str, message: s
                 error_code=code, error_message=message[:4000])
         .execution_options(synchronize_session=False)
     )
-    if session.execute(dead).rowcount == 1:
+    if rowcount(session, dead) == 1:
         return JobStatus.DEAD
     requeue = (
         update(Job)
@@ -270,7 +271,7 @@ def release(session: Session, job_id: str, worker_id: str, code: str, message: s
                 error_code=code, error_message=message[:4000])
         .execution_options(synchronize_session=False)
     )
-    return JobStatus.QUEUED if session.execute(requeue).rowcount == 1 else None
+    return JobStatus.QUEUED if rowcount(session, requeue) == 1 else None
 
 
 def cancel(session: Session, job_id: str) -> bool:
@@ -281,7 +282,7 @@ def cancel(session: Session, job_id: str) -> bool:
         .values(status=JobStatus.CANCELLED, finished_at=utcnow(), lease_owner=None, lease_until=None)
         .execution_options(synchronize_session=False)
     )
-    return session.execute(stmt).rowcount == 1
+    return rowcount(session, stmt) == 1
 
 
 def reap(session: Session, limit: int = 1000, *, every_lease: bool = False) -> dict[str, list[str]]:
@@ -307,7 +308,7 @@ def reap(session: Session, limit: int = 1000, *, every_lease: bool = False) -> d
                     error_code="lease_expired", error_message="worker lost; attempts exhausted")
             .execution_options(synchronize_session=False)
         )
-        if session.execute(dead).rowcount == 1:
+        if rowcount(session, dead) == 1:
             outcome[JobStatus.DEAD].append(job_id)
             continue
         requeue = (
@@ -317,6 +318,6 @@ def reap(session: Session, limit: int = 1000, *, every_lease: bool = False) -> d
             .values(status=JobStatus.QUEUED, lease_owner=None, lease_until=None, dispatched_at=None)
             .execution_options(synchronize_session=False)
         )
-        if session.execute(requeue).rowcount == 1:
+        if rowcount(session, requeue) == 1:
             outcome[JobStatus.QUEUED].append(job_id)
     return outcome

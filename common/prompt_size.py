@@ -98,6 +98,7 @@ def _least_in(served: ServedModel, text: str) -> int:
     """The tokens of `text` that no join with the text around it can change."""
     if not text:
         return 0
+    assert served.tokenizer is not None  # check_prompt_size counts only with a tokenizer
     words = served.tokenizer.encode(text, add_special_tokens=False).word_ids
     if not words:
         return 0

@@ -6,7 +6,7 @@ import contextlib
 import hashlib
 import threading
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, Literal
 
 from celery import Celery
 
@@ -83,7 +83,7 @@ def make_celery(settings: Settings) -> Celery:
         broker_heartbeat=0,
     )
     # Tasks read the settings the app was made with (embedded runs pass overrides that are not in the env).
-    app.vlmq_settings = settings  # type: ignore[attr-defined]
+    app.vlmq_settings = settings
     return app
 
 
@@ -93,14 +93,14 @@ def app_settings(app: Celery) -> Settings | None:
 
 def _direct_sender(app: Celery) -> RedisTaskSender | None:
     """The app's direct Redis sender (common/fast_send.py), made once; None when the broker needs Celery."""
-    sender = app.__dict__.get("vlmq_direct_sender", False)
+    sender: RedisTaskSender | Literal[False] | None = app.__dict__.get("vlmq_direct_sender", False)
     if sender is False:
         with _SENDER_LOCK:
             sender = app.__dict__.get("vlmq_direct_sender", False)
             if sender is False:
                 url = app.conf.broker_url or ""
                 sender = RedisTaskSender(url) if fast_send.usable(url, app.conf.broker_transport_options) else None
-                app.vlmq_direct_sender = sender  # type: ignore[attr-defined]
+                app.vlmq_direct_sender = sender
     return sender
 
 

@@ -10,6 +10,7 @@ from fastapi import APIRouter, Depends, Header, HTTPException, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
 from sqlalchemy import select
+from sqlalchemy.orm import Session
 from starlette.datastructures import UploadFile
 
 from api.auth import TenantDep
@@ -159,7 +160,7 @@ def list_jobs(
                    next_cursor=page[-1].id if has_more and page else None)
 
 
-def _get_job(session: Any, tenant: str, job_id: str) -> Job:
+def _get_job(session: Session, tenant: str, job_id: str) -> Job:
     job = session.get(Job, job_id)
     if job is None or job.tenant != tenant:  # another tenant's job does not exist for this one
         raise HTTPException(404, f"job {job_id!r} not found")
