@@ -28,7 +28,7 @@ class JobGroupRunner:
         futures = [self._pool.submit(contextvars.copy_context().run, self._run_one, job_id) for job_id in job_ids]
         if on_job_done is not None:
             for job_id, future in zip(job_ids, futures, strict=True):
-                future.add_done_callback(lambda f, job_id=job_id: on_job_done(job_id, _outcome(f)))
+                future.add_done_callback(lambda f, job_id=job_id: on_job_done(job_id, _outcome(f)))  # type: ignore[misc]
         wait(futures)
         return [_outcome(future) for future in futures]
 

@@ -42,7 +42,7 @@ class LoadedModel:
         return getattr(text_config, "max_position_embeddings", None)
 
 
-def image_only_processor_class(base: type, name: str | None = None) -> type:
+def image_only_processor_class(base: type[Any], name: str | None = None) -> type[Any]:
     """Subclass of a processor class with its video slot removed.
 
     Processors of video-capable families (Qwen2-VL, InternVL, ...) take a `video_processor`, and every video
@@ -74,7 +74,7 @@ def load_processor(path_or_id: str, torch_resize: bool = True, **kwargs: Any) ->
         if is_torchvision_available():
             raise
         config = AutoConfig.from_pretrained(path_or_id, **kwargs)
-        base = PROCESSOR_MAPPING.get(type(config), None)
+        base: Any = PROCESSOR_MAPPING.get(type(config), None)  # a ProcessorMixin subclass
         if base is None or "video_processor" not in base.get_attributes():
             raise
         log.info(
@@ -143,6 +143,7 @@ def load_model(path_or_id: str, device: str = "cpu", dtype: torch.dtype = torch.
     path_or_id = model_location(path_or_id)
     processor = load_processor(path_or_id, torch_resize=torch_resize)
     tokenizer = processor.tokenizer
+    model: Any  # a PreTrainedModel of the checkpoint's VLM class
     if weights:
         model = AutoModelForImageTextToText.from_pretrained(path_or_id, dtype=dtype)
         model.to(device)

@@ -64,7 +64,7 @@ class StateWriter:
 
     def claim(self, job_id: str) -> ClaimedJob | None:
         """common.jobs.claim(..., unless_last_try=True) of this one job, grouped with other threads' claims."""
-        return self._ask(_Request(job_id, None))  # type: ignore[no-any-return]
+        return self._ask(_Request(job_id, None))
 
     def finish(self, job_id: str, result: jobs.JobResult) -> bool:
         """common.jobs.finish of this one job, grouped with other threads' finishes."""
@@ -105,7 +105,7 @@ class StateWriter:
             with self.db.engine.begin() as connection:
                 claimed = jobs.claim_many(connection, sorted({r.job_id for r in claims}), self.worker_id,
                                           self.lease_seconds)
-                finished = jobs.finish_many(connection, self.worker_id, finishes)  # type: ignore[arg-type]
+                finished = jobs.finish_many(connection, self.worker_id, finishes)
             self.num_transactions += 1
         except Exception:
             if len(group) == 1:

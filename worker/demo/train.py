@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import argparse
 import math
+import operator
 import random
 import shutil
 import subprocess
 import time
+from functools import reduce
 from pathlib import Path
 from typing import Any
 
@@ -152,6 +154,10 @@ class CellProbe(torch.nn.Module):
     not part of the saved checkpoint.
     """
 
+    colour_ids: torch.Tensor  # buffers, registered in __init__
+    shape_ids: torch.Tensor
+    side_ids: torch.Tensor
+
     def __init__(self, hidden: int, word_ids: dict[str, list[int]], embeddings: torch.nn.Embedding) -> None:
         super().__init__()
         self.heads = torch.nn.ModuleList(torch.nn.Linear(hidden, n) for n in CELL_CLASSES)
@@ -168,7 +174,8 @@ class CellProbe(torch.nn.Module):
 
     def forward(self, features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         ce = torch.nn.functional.cross_entropy
-        loss = sum(ce(head(features).flatten(0, 1), labels[..., k].flatten()) for k, head in enumerate(self.heads))
+        loss = reduce(operator.add, (ce(head(features).flatten(0, 1), labels[..., k].flatten())
+                                     for k, head in enumerate(self.heads)))
         vocab_logits = (features @ self.embeddings.weight.T).flatten(0, 1)
         occupied = labels[..., 0].flatten() > 0
         sides = torch.where(occupied, self.side_ids[labels[..., 4].flatten()], -100)

@@ -11,6 +11,7 @@ import signal
 import sys
 import threading
 from concurrent.futures import Future
+from functools import partial
 from multiprocessing.connection import Connection
 
 from worker.engine import vision_batches
@@ -109,7 +110,7 @@ def run_engine_child(conn: Connection) -> None:
             if message[0] == "add":
                 prepared: PreparedInput = message[1]
                 request_id = prepared.request.request_id
-                service.submit(prepared).add_done_callback(lambda f, rid=request_id: reply(rid, f))
+                service.submit(prepared).add_done_callback(partial(reply, request_id))
             elif message[0] == "abort":
                 service.abort(message[1])
             elif message[0] == "close":

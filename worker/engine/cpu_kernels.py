@@ -68,7 +68,7 @@ def _cpu_signature() -> str:
 def paged_decode_attention(wait: bool = False) -> PagedDecodeAttention | None:
     """The compiled decode kernel, or None where the extension is not built yet or cannot be (see kernels)."""
     module = kernels(wait)
-    return module.paged_decode_attention if module is not None else None  # type: ignore[no-any-return]
+    return module.paged_decode_attention if module is not None else None
 
 
 def fused_elementwise(wait: bool = False) -> ModuleType | None:
@@ -85,7 +85,7 @@ def kernels(wait: bool = False) -> ModuleType | None:
     with _lock:
         if PREFIX not in _loaded:
             _loaded[PREFIX] = _load(wait)
-        return _loaded[PREFIX]  # type: ignore[no-any-return]
+        return _loaded[PREFIX]
 
 
 def _load(wait: bool) -> ModuleType | None:
@@ -163,7 +163,7 @@ def _start_background_build(build_dir: Path) -> None:
 def compile_kernel(name: str, cflags: list[str]) -> PagedDecodeAttention:
     """The decode kernel of the extension compiled and loaded as `name` with these compiler flags
     (bench/decode_kernel.py builds a variant beside the engine's)."""
-    return compile_module(name, cflags).paged_decode_attention  # type: ignore[no-any-return]
+    return compile_module(name, cflags).paged_decode_attention
 
 
 def compile_module(name: str, cflags: list[str]) -> ModuleType:
@@ -175,7 +175,7 @@ def compile_module(name: str, cflags: list[str]) -> ModuleType:
         os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
     except ImportError:
         pass
-    return cpp_extension.load(name=name, sources=[str(p) for p in SOURCES],  # type: ignore[no-any-return]
+    return cpp_extension.load(name=name, sources=[str(p) for p in SOURCES],
                               extra_cflags=cflags, extra_ldflags=["-fopenmp"], verbose=False)
 
 

@@ -25,6 +25,7 @@ from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from worker.engine.cpu_fused import agrees_at_scale
+from worker.engine.families import HFModule
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ class RotaryFusedForward:
     """Stands in for a Llama-style attention module's `forward` (set on the instance, so `module(...)` calls
     it): the module's own steps, with q and k rotated by the one-pass kernel."""
 
-    def __init__(self, module: nn.Module, kernels: ModuleType) -> None:
+    def __init__(self, module: HFModule, kernels: ModuleType) -> None:
         self.module = module
         self._kernels = kernels
         modeling = sys.modules[type(module).__module__]
@@ -96,7 +97,7 @@ def is_rope_attention(module: nn.Module) -> bool:
             and isinstance(getattr(module, "head_dim", None), int))
 
 
-def _same_output(module: nn.Module, fused: RotaryFusedForward) -> bool:
+def _same_output(module: HFModule, fused: RotaryFusedForward) -> bool:
     """The module's forward and the stand-in on a probe of 7 tokens, both through SDPA (the engine's paged
     attention needs a step's metadata), with random rotations: equal to the last bit, or within 1e-5 of the
     output's scale in fp32 (2e-2 in bf16) should the attention's own arithmetic differ."""

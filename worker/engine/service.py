@@ -23,7 +23,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future
-from typing import Literal
+from typing import Literal, cast
 
 from worker.engine.engine import Engine
 from worker.engine.model_runner import PreparedInput
@@ -90,7 +90,7 @@ class EngineService:
                 return False
             if command == "add":
                 self._last_arrival = time.monotonic()
-                prepared, future = payload  # type: ignore[misc]
+                prepared, future = cast(tuple[PreparedInput, Future[GenerationResult]], payload)
                 if future.set_running_or_notify_cancel():
                     if self._isolating is not None or self._suspects:
                         self._held.append((prepared, future))
