@@ -57,8 +57,8 @@ def make_engine(url: str, *, pre_ping: bool = True, pool_size: int = 40) -> Engi
     # pre_ping: a restarted Postgres leaves dead pooled connections behind. pool_size: connections beyond it
     # are closed when returned, and Postgres forks a backend per connection, so a pool smaller than the
     # threads that use it (the API's thread pool runs up to 40) opened and closed a connection per request
-    # under load: ~10% of the API's CPU and more of Postgres' (bench/ingest.py api, py-spy). Idle pooled
-    # connections cost Postgres little; max_overflow still bounds a burst.
+    # under load, a cost to the API's CPU and more to Postgres' (bench/ingest.py). Idle pooled connections
+    # cost Postgres little; max_overflow still bounds a burst.
     return create_engine(url, pool_pre_ping=pre_ping, pool_size=pool_size, max_overflow=20)
 
 

@@ -149,9 +149,8 @@ def _is_postgres(executor: Session | Connection) -> bool:
 
 # The grouped claim and finish on Postgres: built once, with every value a bound parameter (the ids and the
 # results as arrays), so the SQL is the same for any group size and SQLAlchemy compiles it once. An IN list or
-# a VALUES list is a new statement for each size and content; at the 1-4 jobs a worker's groups often hold,
-# building and compiling cost more CPU than the round trip (0.7 against 1.2 ms a claim, 0.7 against 1.6 ms a
-# finish, alone; 0.2 against 0.4-0.5 ms a job in groups of 4).
+# a VALUES list is a new statement for each size and content; at the few jobs a worker's groups often hold,
+# building and compiling such a statement costs more CPU than its round trip (bench/state_writes.py).
 _NOW = bindparam("now", type_=UTCDateTime())
 _PG_CLAIM_MANY = (
     update(_JOBS)

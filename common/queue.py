@@ -127,8 +127,8 @@ def send_run_jobs(app: Celery, settings: Settings, job_ids: Iterable[str], prior
         return len(ids)
     with app.producer_or_acquire() as producer:
         # kombu >= 5.7 can buffer a producer's publishes into one Redis pipeline (one client and one round
-        # trip per 1,000 messages instead of per message: ~2x cheaper a message, bench/ingest.py); a failed
-        # flush raises here, as a failed single send would.
+        # trip per 1,000 messages instead of per message, bench/ingest.py); a failed flush raises here, as a
+        # failed single send would.
         batch = getattr(producer, "batch", None)
         with batch() if batch is not None else contextlib.nullcontext():
             for args in messages:

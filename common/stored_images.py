@@ -94,8 +94,8 @@ def store_image(session: Session, store: ObjectStore, data: bytes, settings: Set
     return stored
 
 
-# Both rows in one round trip (a second INSERT cost ingestion a fifth of its rows/s on new images,
-# bench/ingest.py). The image row may be another tenant's already: the same bytes, so the same values.
+# Both rows in one round trip (a second INSERT slowed the ingestion of new images, bench/ingest.py). The image
+# row may be another tenant's already: the same bytes, so the same values.
 _PG_INSERT_IMAGE = text(
     "WITH image AS (INSERT INTO images (id, format, width, height, size_bytes, created_at) "
     "VALUES (:id, :format, :width, :height, :size_bytes, :created_at) ON CONFLICT (id) DO NOTHING) "

@@ -173,7 +173,7 @@ _PROBE_TEXT = "  Probe 1: what is 2+2?\n\tCafé naïve 東京 — ok.  \n"
 def text_alone_by_tokenizer(processor: Any, tokenizer: Any) -> bool:
     """Whether this processor, given a prompt and no images, returns exactly what its tokenizer does. A
     processor call merges its default kwargs and checks its inputs before it tokenizes, so a text-only prompt
-    costs 1.8-2.9x the CPU through it (bench/prepare.py, the test families' tiny models). Probed on a prompt of
+    costs several times the CPU through it (bench/prepare.py). Probed on a prompt of
     the model's own chat template; any difference (a key, a token, an error) keeps the processor for every
     prompt."""
     try:

@@ -53,9 +53,8 @@ def run_engine_child(conn: Connection) -> None:
     spec: EngineSpec = channel.recv()[1]
     configure_logging(spec.log_format, spec.log_level)
     if spec.nice:
-        # Below the threads that feed it: side by side on 2 shared CPUs (bench/compare.py, service, 256 small
-        # jobs, 5 alternating runs), nice 5 took 11.69 s instead of 12.94 (medians) on image jobs, and
-        # 6.01 instead of 6.30 on text jobs.
+        # Below the threads that feed it: on shared CPUs the engine is better off waiting for its next inputs
+        # than taking the CPU they are prepared with (bench/compare.py, side by side, image and text jobs).
         # Linux keeps a niceness per thread: the threads torch started on import are moved too, and those
         # started later inherit it from these.
         niceness = min(os.nice(0) + spec.nice, 19)

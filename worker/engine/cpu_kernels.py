@@ -1,12 +1,12 @@
 """C++ kernels of the CPU backend, compiled with torch.utils.cpp_extension (g++ and ninja) by a process of
 their own, in the background, the first time a process on the machine wants them (see kernels).
 
-Decode attention straight from the paged pool (csrc/paged_decode_attention.cpp) is ~2x the gather + SDPA
-path on the bench's shapes (bench/engine.py); RMSNorm, SiLU-and-multiply and the rotary embedding in one pass
-each (csrc/fused_elementwise.cpp, used by cpu_fused.py and cpu_rope.py). One extension holds them all
-(csrc/bindings.cpp), so ninja compiles the sources side by side: ~1 min once per machine and source on 2 CPUs
-(66 s, where building the two kernels as extensions of their own took 55 + 60 s one after the other); the build
-lands in torch's extension cache (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions). Where it cannot
+Decode attention straight from the paged pool (csrc/paged_decode_attention.cpp) skips the gather that the
+gather + SDPA path copies every key and value through (bench/decode_kernel.py); RMSNorm, SiLU-and-multiply and
+the rotary embedding run in one pass each (csrc/fused_elementwise.cpp, used by cpu_fused.py and cpu_rope.py).
+One extension holds them all (csrc/bindings.cpp), so ninja compiles the sources side by side, once per machine
+and source, instead of one extension's build after the other's; the build lands in torch's extension cache
+(TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions). Where it cannot
 be built (no compiler), or with EngineConfig.cpu_attention_kernel / cpu_fused_elementwise off
 (VLMQ_CPU_FAST_PATHS=false), the engine keeps the pure-torch path: same results to float rounding, only slower.
 """
@@ -38,9 +38,9 @@ PREFIX = "vlmq_cpu_kernels"
 PagedDecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float],
                                 torch.Tensor]
 
-# Reassociation lets the softmax's sums and its exp (exp_nonpositive) vectorise: 1.12-1.15x the kernel built
-# without it, on the bench's shapes. Not -ffast-math: that also assumes no infinities or NaNs, and linking with
-# it sets flush-to-zero for the whole process, changing every other op's numbers.
+# Reassociation lets the softmax's sums and its exp (exp_nonpositive) vectorise, which the kernel built without it
+# cannot (bench/decode_kernel.py compares the two). Not -ffast-math: that also assumes no infinities or NaNs, and
+# linking with it sets flush-to-zero for the whole process, changing every other op's numbers.
 REASSOCIATION = ["-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", *REASSOCIATION]
 

@@ -1,13 +1,13 @@
 """Rotary position embedding in one pass, for the Llama-style attention modules of a CPU model.
 
-HF rotates q and k in the attention module's forward through a module-level function, ten tensor ops (two
-products, a negation, a concatenation and a sum for each), which took ~11% of the engine's op time on 256 small
-text jobs in fp32 (torch profiler). The C++ kernel (csrc/fused_elementwise.cpp) reads each row once, in HF's
-order and roundings: its results are bit-identical to HF's in fp32 and bf16. As the rotation sits inside the
-forward rather than in a module of its own, the forward itself is replaced, and only where that is safe: for the
-attention classes whose forward this one restates (Llama's, Qwen2's, Mistral's: project, view, rotate, attend,
-project back), and only where it gives the module's own output on a probe, run through SDPA. Anything the kernel
-does not take (a batch of several rows, mixed dtypes, another device) goes through the module's own
+HF rotates q and k in the attention module's forward through a module-level function, ten tensor ops (two products,
+a negation, a concatenation and a sum for each), each a pass over q or k and a dispatch of its own: a visible share
+of the engine's op time on small text jobs (torch profiler). The C++ kernel (csrc/fused_elementwise.cpp) reads each
+row once, in HF's order and roundings: its results are bit-identical to HF's in fp32 and bf16. As the rotation sits
+inside the forward rather than in a module of its own, the forward itself is replaced, and only where that is safe:
+for the attention classes whose forward this one restates (Llama's, Qwen2's, Mistral's: project, view, rotate,
+attend, project back), and only where it gives the module's own output on a probe, run through SDPA. Anything the
+kernel does not take (a batch of several rows, mixed dtypes, another device) goes through the module's own
 `apply_rotary_pos_emb`.
 """
 

@@ -11,8 +11,8 @@ its batch-mates a serial re-run, not their attempts.
 Linger: while jobs trickle in (each worker thread submits as soon as its job is claimed and prepared), an
 engine that steps on whatever has arrived runs many small steps, each costing its fixed per-step work. So
 while a request arrived within `step_linger_seconds` and the batch has room, the loop waits up to that long
-for the next before stepping. Measured on 2 CPU cores, 256 jobs posted to the service: on the tiny model 30-85%
-fewer steps and 1.1-1.3x the throughput, on the compute-bound small one no change (docs/benchmarks.md).
+for the next before stepping: fewer, fuller steps where the per-step work dominates (a tiny model), and no
+change where the model's compute does (docs/benchmarks.md).
 """
 
 from __future__ import annotations
