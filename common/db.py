@@ -38,7 +38,7 @@ def make_engine(url: str, *, pre_ping: bool = True, pool_size: int = 40) -> Engi
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
 
         @event.listens_for(engine, "connect")
-        def _sqlite_pragmas(dbapi_conn, _record) -> None:  # type: ignore[no-untyped-def]
+        def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
             # Take transaction control from pysqlite so SAVEPOINTs work (SQLAlchemy's documented recipe).
             dbapi_conn.isolation_level = None
             cursor = dbapi_conn.cursor()
@@ -48,7 +48,7 @@ def make_engine(url: str, *, pre_ping: bool = True, pool_size: int = 40) -> Engi
             cursor.close()
 
         @event.listens_for(engine, "begin")
-        def _sqlite_begin(conn) -> None:  # type: ignore[no-untyped-def]
+        def _sqlite_begin(conn: Connection) -> None:
             # IMMEDIATE takes the write lock up front: a deferred transaction that later writes can fail
             # at once with "database is locked" when another thread writes, whatever busy_timeout says.
             conn.exec_driver_sql("BEGIN IMMEDIATE")

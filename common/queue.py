@@ -6,13 +6,16 @@ import contextlib
 import hashlib
 import threading
 from collections.abc import Iterable, Iterator
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from celery import Celery
 
 from common import broker_transport, fast_send
 from common.fast_send import RedisTaskSender
 from common.settings import Settings
+
+if TYPE_CHECKING:
+    from common.dispatch import Send
 
 TASK_RUN_JOB = "vlmq.run_job"
 TASK_INGEST_BATCH = "vlmq.ingest_batch"
@@ -137,7 +140,7 @@ def send_run_jobs(app: Celery, settings: Settings, job_ids: Iterable[str], prior
     return len(ids)
 
 
-def model_sender(app: Celery, settings: Settings):  # type: ignore[no-untyped-def]
+def model_sender(app: Celery, settings: Settings) -> Send:
     """A common.dispatch `Send`: run_job messages to the queue of whichever model the jobs are for."""
 
     def send(model: str, job_ids: list[str], priority: int) -> int:

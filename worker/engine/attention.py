@@ -16,10 +16,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
+
+if TYPE_CHECKING:
+    from worker.engine.families import HFModule
 
 ATTN_IMPLEMENTATION = "vlmq_paged"
 # Prompts up to this long (new tokens for fresh ones, context + new tokens for the others) are grouped by
@@ -169,7 +173,7 @@ def _real_rows(valid: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def paged_attention(
-    module: torch.nn.Module,
+    module: HFModule,
     query: torch.Tensor,   # [1, heads, T, dim], RoPE applied
     key: torch.Tensor,     # [1, kv_heads, T, dim]
     value: torch.Tensor,
@@ -182,7 +186,7 @@ def paged_attention(
     if attn_metadata is None:
         raise RuntimeError("paged attention needs attn_metadata; the model must be driven by the vlmq engine")
     meta = attn_metadata
-    k_cache, v_cache = meta.kv_caches[module.layer_idx]  # type: ignore[index]
+    k_cache, v_cache = meta.kv_caches[module.layer_idx]
     kv_heads, dim = k_cache.shape[2], k_cache.shape[3]
     k_cache.view(-1, kv_heads, dim).index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1).to(k_cache.dtype))
     v_cache.view(-1, kv_heads, dim).index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))

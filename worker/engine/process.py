@@ -169,11 +169,11 @@ class EngineProcess:
             channel.close()
             raise
         log.info("engine process %s ready: %s", process.pid, info)
-        self.ready_info = dict(info)  # type: ignore[call-overload]
+        self.ready_info = dict(info)
         self._started_at = time.monotonic()
         return process, channel
 
-    def _await_ready(self, process: subprocess.Popen[bytes], channel: Channel) -> object:
+    def _await_ready(self, process: subprocess.Popen[bytes], channel: Channel) -> dict[str, object]:
         deadline = None if self._start_timeout is None else time.monotonic() + self._start_timeout
         while not channel.conn.poll(1.0):
             if process.poll() is not None or (deadline is not None and time.monotonic() > deadline):
