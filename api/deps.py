@@ -26,7 +26,8 @@ class AppState:
 async def get_state(request: Request) -> AppState:
     # async: FastAPI runs a plain `def` dependency in its thread pool, a thread hand-off per request for
     # an attribute read (py-spy: most of POST /v1/jobs' dependency solving).
-    return request.app.state.vlmq
+    state: AppState = request.app.state.vlmq
+    return state
 
 
 def get_session(state: Annotated[AppState, Depends(get_state)]) -> Iterator[Session]:

@@ -38,7 +38,8 @@ def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
     return {code: {"model": ErrorResponse, "description": _MEANINGS[code]} for code in codes}
 
 
-def error_body(message: str, code: str, type_: str = "invalid_request_error", param: str | None = None) -> dict:
+def error_body(message: str, code: str, type_: str = "invalid_request_error",
+               param: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "code": code, "param": param}}
 
 

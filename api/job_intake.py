@@ -48,8 +48,8 @@ def _fields_with_images(state: AppState, tenant: str, req: ChatCompletionRequest
 
 def _create(state: AppState, tenant: str, req: ChatCompletionRequest, idempotency_key: str,
             priority: int) -> tuple[str, bool]:
-    """Write the job, then send its run_job message. One trip to the thread pool for both (each trip costs a
-    context switch and GIL hand-offs: ~10% of a request, py-spy)."""
+    """Write the job, then send its run_job message. One trip to the thread pool for both: each trip costs a
+    context switch and GIL hand-offs, a visible share of a request's CPU."""
     with state.db.session() as session:
         job, created = submit_job(session, state.store, state.settings, req, priority=priority,
                                   idempotency_key=idempotency_key, tenant=tenant)

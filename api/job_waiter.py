@@ -127,5 +127,5 @@ class JobWaiter:
                     Job.prompt_tokens, Job.completion_tokens, Job.error_code, Job.error_message,
                 ).where(Job.id.in_(job_ids[start:start + _IDS_PER_QUERY]), Job.status.in_(TERMINAL_STATUSES)))
                 for row in rows:
-                    ended[row.id] = EndedJob(*row)
+                    ended[row.id] = EndedJob(**row._mapping)
         return ended

@@ -2,7 +2,7 @@
 next one, with their run_job messages sent in one Redis round trip after its commit.
 
 Per job, a commit costs a WAL flush and a round trip on the database, a session and a connection checkout on
-our side, and a thread-pool hand-off per request (bench/ingest.py api: these were ~40% of a submission's CPU).
+our side, and a thread-pool hand-off per request: together a large share of a submission's CPU (bench/ingest.py).
 Batching needs no timer: under load, requests pile up while a write is in progress, so batches grow with the
 load and a lone request is written at once. A request's answer still comes only after its job is committed.
 """

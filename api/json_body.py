@@ -44,7 +44,8 @@ def body_schema(model: type[BaseModel]) -> dict[str, Any]:
     """`model`'s JSON schema for a route's openapi_extra, which has no components: every `#/$defs/...`
     reference replaced by what it names (the body is read by hand, so FastAPI cannot document it)."""
     schema = model.model_json_schema()
-    return _inline(schema, schema.get("$defs", {}))
+    inlined: dict[str, Any] = _inline(schema, schema.get("$defs", {}))
+    return inlined
 
 
 def _inline(schema: Any, defs: dict[str, Any]) -> Any:

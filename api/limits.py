@@ -47,7 +47,10 @@ class RateLimiter:
         if self._redis is not None:
             key = f"vlmq:rate:{tenant}:{window}"
             try:
-                count, _ = self._redis.pipeline().incr(key).expire(key, 2).execute()
+                pipe = self._redis.pipeline()
+                pipe.incr(key)
+                pipe.expire(key, 2)
+                count, _ = pipe.execute()
             except redis.RedisError:
                 log.warning("rate limiter cannot reach Redis; letting requests through")
                 return True

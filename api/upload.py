@@ -118,7 +118,7 @@ async def receive_upload(request: Request, store: ObjectStore, file_keys: dict[s
         raise SubmissionError("multipart/form-data body without a boundary")
     receiver = _Receiver(file_keys)
     try:
-        parser = MultipartParser(boundary, {  # type: ignore[arg-type]
+        parser = MultipartParser(boundary, {
             "on_part_begin": receiver.on_part_begin, "on_part_data": receiver.on_part_data,
             "on_part_end": receiver.on_part_end, "on_header_field": receiver.on_header_field,
             "on_header_value": receiver.on_header_value, "on_header_end": receiver.on_header_end,

@@ -209,9 +209,9 @@ def run_service(path: Path, jobs: list[GenerationRequest], threads: int, work: P
                 " extract(epoch FROM min(started_at)) - :t, extract(epoch FROM max(started_at)) - :t,"
                 " extract(epoch FROM min(finished_at)) - :t, extract(epoch FROM max(finished_at)) - :t,"
                 " (SELECT extract(epoch FROM max(completed_at)) - :t FROM batches) FROM jobs"), {"t": sent_at}).one()
-            for spy in spies:
-                spy.send_signal(signal.SIGINT)
-                spy.wait(30)
+            for proc in spies:
+                proc.send_signal(signal.SIGINT)
+                proc.wait(30)
             conn.commit()
             time.sleep(1.5)  # backends flush their statistics to pg_stat_database at most once a second
             transactions = conn.execute(commits).scalar_one() - transactions_before
@@ -256,7 +256,7 @@ def run_service(path: Path, jobs: list[GenerationRequest], threads: int, work: P
                                if re.search(r"\b(WARNING|ERROR|CRITICAL)\b", line))
             for line, n in problems.most_common(5):
                 print(f"  {part} logged {n}x: {line}")
-        return Run(name, seconds, texts)  # type: ignore[arg-type]
+        return Run(name, seconds, texts)
     except Exception:
         for name in stack.processes:
             print(f"--- {name} log tail ---\n{stack.log(name)[-2000:]}")

@@ -12,6 +12,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
@@ -27,7 +28,7 @@ SHAPES = ((256, 110), (256, 50), (64, 300))
 HEADS, KV_HEADS, DIM, BLOCK, POOL_BLOCKS, LAYERS = 8, 8, 64, 16, 8192, 4
 
 
-def gather_sdpa(q, k_cache, v_cache, tables, lens, scale):  # type: ignore[no-untyped-def]
+def gather_sdpa(q, k_cache, v_cache, tables, lens, scale):
     """The engine's torch path (without the kernel)."""
     return gathered_decode_attention(q, k_cache, v_cache, tables, decode_key_mask(lens, tables.shape[1] * BLOCK),
                                      scale)
@@ -39,12 +40,12 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     plain_flags = [f for f in cpu_kernels.CFLAGS if f not in cpu_kernels.REASSOCIATION]
-    systems = {
+    systems: dict[str, Any] = {
         "kernel": cpu_kernels.paged_decode_attention(wait=True),
         "kernel, no reassociation": cpu_kernels.compile_kernel("vlmq_decode_bench_plain", plain_flags),
         "gather + SDPA": gather_sdpa,
     }
-    if systems["kernel"] is None:
+    if systems["kernel"] is None or systems["kernel, no reassociation"] is None:
         sys.exit("the kernel does not build here")
     print(f"CPU: {cpu_name()}; torch {torch.__version__}, {torch.get_num_threads()} threads; medians of "
           f"{args.repeats}, each {LAYERS} calls (one per layer)")

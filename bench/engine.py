@@ -125,7 +125,7 @@ def vlmq_engine(engine: Engine, jobs: list[GenerationRequest]) -> dict[str, list
     return {r.request_id: r.token_ids for r in results}
 
 
-def timed(fn, *args):  # type: ignore[no-untyped-def]
+def timed(fn, *args):
     start = time.perf_counter()
     value = fn(*args)
     return value, time.perf_counter() - start

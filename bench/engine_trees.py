@@ -105,10 +105,11 @@ def main() -> None:
                 report = run_turn(tree, model, kinds, args.rounds, args.jobs, args.max_tokens, args.threads,
                                   args.dtype)
                 for kind, got in report.items():
-                    seconds.setdefault((name, kind), []).extend(got["seconds"])  # type: ignore[arg-type]
+                    times: list[float] = got["seconds"]  # type: ignore[assignment]
+                    seconds.setdefault((name, kind), []).extend(times)
                     digests.setdefault((name, kind), set()).add(str(got["tokens"]))
                     print(f"  {model} {kind} {name} turn {number + 1}: "
-                          + " ".join(f"{s:.3f}" for s in got["seconds"]), flush=True)  # type: ignore[union-attr]
+                          + " ".join(f"{s:.3f}" for s in times), flush=True)
         for kind in kinds:
             before = statistics.median(seconds[("before", kind)])
             after = statistics.median(seconds[("after", kind)])

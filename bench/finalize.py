@@ -21,6 +21,7 @@ import tempfile
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
@@ -48,7 +49,7 @@ print(json.dumps({"status": status, "seconds": time.perf_counter() - wall, "cpu"
 """
 
 
-def make_batch(settings_fields: dict[str, object], n_jobs: int) -> str:
+def make_batch(settings_fields: dict[str, Any], n_jobs: int) -> str:
     """A batch whose n_jobs jobs have all succeeded, result objects stored, not yet finalized."""
     from common import batches, jobs
     from common.db import get_database
@@ -56,7 +57,7 @@ def make_batch(settings_fields: dict[str, object], n_jobs: int) -> str:
     from common.storage import make_store, result_key
     from common.views import chat_completion
 
-    settings = Settings(**settings_fields)  # type: ignore[arg-type]
+    settings = Settings(**settings_fields)
     db, store = get_database(settings.database_url), make_store(settings)
     with db.session() as session:
         batch = batches.create_batch(session, input_file_id="file-bench", endpoint="/v1/chat/completions",

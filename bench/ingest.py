@@ -115,7 +115,8 @@ class Environment:
     def settings(self) -> Any:
         from common.settings import Settings
 
-        return Settings(**{k.removeprefix("VLMQ_").lower(): v for k, v in self.env.items()})
+        values: dict[str, Any] = {k.removeprefix("VLMQ_").lower(): v for k, v in self.env.items()}
+        return Settings(**values)
 
     def redis_messages(self) -> int:
         import redis
@@ -159,7 +160,7 @@ def ingest_once(env: Environment, jsonl: Path, code: Path, chunk_rows: int | Non
     settings = env.settings()
     db = get_database(settings.database_url)
     file_id = new_file_id()
-    objects = Path(settings.storage_dir)  # type: ignore[arg-type]
+    objects = Path(settings.storage_dir)
     key = file_key(file_id, "bench")
     (objects / key).parent.mkdir(parents=True, exist_ok=True)
     os.link(jsonl, objects / key) if not (objects / key).exists() else None

@@ -4,15 +4,18 @@ API's VLMQ_DATABASE_URL is set)."""
 from __future__ import annotations
 
 import json
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
+
+if TYPE_CHECKING:
+    from common.db import Database
 
 apikey_app = typer.Typer(help="Tenants' API keys (stored hashed; a key is shown once, at creation).",
                          no_args_is_help=True)
 
 
-def _db():  # type: ignore[no-untyped-def]
+def _db() -> Database:
     from common.db import get_database
     from common.migrate import upgrade
     from common.settings import Settings

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
+from common.db import rowcount
 from common.models import ApiKey, new_id, utcnow
 
 KEY_PREFIX = "vlmq-"
@@ -78,4 +79,4 @@ def list_keys(session: Session, tenant: str | None = None) -> list[ApiKey]:
 def revoke_key(session: Session, key_id: str) -> bool:
     stmt = (update(ApiKey).where(ApiKey.id == key_id, ApiKey.revoked_at.is_(None)).values(revoked_at=utcnow())
             .execution_options(synchronize_session=False))
-    return session.execute(stmt).rowcount == 1
+    return rowcount(session, stmt) == 1

@@ -56,7 +56,8 @@ def images_archive(images: Path) -> Iterator[Path]:
 
 def _upload(client: httpx.Client, path: Path) -> str:
     with path.open("rb") as f:  # httpx streams a file object in pieces
-        return _check(client.post("/v1/files", data={"purpose": "batch"}, files={"file": (path.name, f)}))["id"]
+        file_id: str = _check(client.post("/v1/files", data={"purpose": "batch"}, files={"file": (path.name, f)}))["id"]
+        return file_id
 
 
 def _follow(client: httpx.Client, batch: dict[str, Any], timeout: float) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from typing import Any
 from sqlalchemy import Select, and_, exists, func, or_, select, update
 from sqlalchemy.orm import Session, aliased
 
+from common.db import rowcount
 from common.models import DEFAULT_TENANT, Batch, BatchStatus, Job, JobStatus, new_id, utcnow
 from common.pg_bulk import insert_json_rows
 
@@ -81,7 +82,7 @@ def _set(session: Session, batch_id: str, from_statuses: tuple[str, ...], **valu
         .values(**values)
         .execution_options(synchronize_session=False)
     )
-    return session.execute(stmt).rowcount == 1
+    return rowcount(session, stmt) == 1
 
 
 def start(session: Session, batch_id: str) -> bool:
@@ -105,7 +106,7 @@ def advance_ingestion(
                 refused_requests=Batch.refused_requests + refused)
         .execution_options(synchronize_session=False)
     )
-    return session.execute(stmt).rowcount == 1
+    return rowcount(session, stmt) == 1
 
 
 def finish(session: Session, batch_id: str, final: BatchStatus, **values: Any) -> bool:
@@ -130,7 +131,7 @@ def expire(session: Session, batch_id: str) -> bool:
         .values(status=BatchStatus.FINALIZING, finalizing_at=now, expired_at=now)
         .execution_options(synchronize_session=False)
     )
-    return session.execute(stmt).rowcount == 1
+    return rowcount(session, stmt) == 1
 
 
 def due_for_expiry(session: Session) -> list[str]:
@@ -175,11 +176,11 @@ def begin_finalizing(session: Session, batch_id: str) -> bool:
         .values(status=BatchStatus.FINALIZING, finalizing_at=utcnow())
         .execution_options(synchronize_session=False)
     )
-    return session.execute(stmt).rowcount == 1
+    return rowcount(session, stmt) == 1
 
 
 def has_open_jobs(session: Session, batch_id: str) -> bool:
-    return session.scalar(select(_open_jobs(batch_id)))
+    return bool(session.scalar(select(_open_jobs(batch_id))))
 
 
 def ready_after_job(session: Session, job_id: str) -> str | None:
@@ -196,7 +197,7 @@ def ready_after_job(session: Session, job_id: str) -> str | None:
     return session.scalar(stmt)
 
 
-def ingesting(file_id: Any) -> Select[tuple[str]]:
+def ingesting(file_id: Any) -> Select[str]:
     """The batches still ingesting (validating) a file, as input or image archive: `file_id` is an id, or a
     column to correlate with. Such a file may not be deleted yet."""
     return select(Batch.id).where(or_(Batch.input_file_id == file_id, Batch.images_file_id == file_id),

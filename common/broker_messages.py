@@ -42,7 +42,7 @@ def _first_arg(message: Any, task: str) -> Any:
     if headers.get("task") != task:
         return None
     try:
-        body = message.get("body")
+        body: Any = message.get("body")  # decoded and parsed as it comes: what is malformed raises below
         if message.get("properties", {}).get("body_encoding") == "base64":
             body = base64.b64decode(body)
         return json.loads(body)[0][0]
@@ -88,7 +88,7 @@ def _live(broker_url: str, queue_prefix: str, unacked_max_age: float | None, ids
                 continue
             for raw in client.lrange(key, 0, -1):
                 ids.update(_parse(raw, ids_of))
-        recent: set[bytes] | None = None
+        recent: set[Any] | None = None  # delivery tags
         if unacked_max_age is not None:
             recent = set(client.zrangebyscore(UNACKED_INDEX_KEY, time.time() - unacked_max_age, "+inf"))
         for tag, raw in client.hscan_iter(UNACKED_KEY, count=_SCAN_BATCH):
@@ -105,7 +105,7 @@ def _live(broker_url: str, queue_prefix: str, unacked_max_age: float | None, ids
         client.close()
 
 
-def _parse(raw: bytes, ids_of: IdsOf) -> list[str]:
+def _parse(raw: bytes | str, ids_of: IdsOf) -> list[str]:
     try:
         return ids_of(json.loads(raw))
     except ValueError:

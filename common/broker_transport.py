@@ -65,6 +65,6 @@ def install() -> None:
     channel = kombu_redis.Channel
     if getattr(channel, _PATCHED, False):
         return
-    channel.close = _close(channel.close)
-    channel._connparams = _connparams(channel._connparams)
+    channel.close = _close(channel.close)  # type: ignore[method-assign]
+    channel._connparams = _connparams(channel._connparams)  # type: ignore[method-assign]
     setattr(channel, _PATCHED, True)

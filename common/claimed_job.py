@@ -3,8 +3,8 @@
 The grouped claim (common.jobs.claim_many) returned ORM `Job` instances: every column loaded, each row put in
 the session's identity map with its instance state, all under the worker's one GIL. While jobs trickle in, a
 worker's claim groups hold one or two jobs, and there the ORM cost more than the round trip. With these columns
-returned on a plain connection, the worker's CPU per job for claim + finish fell from 2.30 to 1.13 ms in groups of
-one and from 1.22 to 0.63 in groups of two (bench/state_writes.py, Postgres, docs/benchmarks.md).
+returned on a plain connection, a worker spends much less CPU per job on claim + finish (bench/state_writes.py,
+docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ app = typer.Typer(help="vlmq: batch inference for vision-language models.", no_a
 
 
 
-def _settings(**overrides: object):  # type: ignore[no-untyped-def]
+def _settings(**overrides: Any) -> Settings:
     """Settings from the environment, with the command-line options given on top."""
     from common.settings import Settings
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, cast
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Connection, CursorResult, Engine, Executable, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -20,6 +21,12 @@ def normalize_url(url: str) -> str:
     return url
 
 
+def rowcount(session: Session | Connection, stmt: Executable) -> int:
+    """Run an UPDATE or DELETE and say how many rows it matched. Session.execute is typed to return a Result;
+    for such a statement it is the CursorResult that has the count."""
+    return cast(CursorResult[Any], session.execute(stmt)).rowcount
+
+
 def make_engine(url: str, *, pre_ping: bool = True, pool_size: int = 40) -> Engine:
     url = normalize_url(url)
     parsed = make_url(url)
@@ -31,7 +38,7 @@ def make_engine(url: str, *, pre_ping: bool = True, pool_size: int = 40) -> Engi
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
 
         @event.listens_for(engine, "connect")
-        def _sqlite_pragmas(dbapi_conn, _record) -> None:  # type: ignore[no-untyped-def]
+        def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
             # Take transaction control from pysqlite so SAVEPOINTs work (SQLAlchemy's documented recipe).
             dbapi_conn.isolation_level = None
             cursor = dbapi_conn.cursor()
@@ -41,7 +48,7 @@ def make_engine(url: str, *, pre_ping: bool = True, pool_size: int = 40) -> Engi
             cursor.close()
 
         @event.listens_for(engine, "begin")
-        def _sqlite_begin(conn) -> None:  # type: ignore[no-untyped-def]
+        def _sqlite_begin(conn: Connection) -> None:
             # IMMEDIATE takes the write lock up front: a deferred transaction that later writes can fail
             # at once with "database is locked" when another thread writes, whatever busy_timeout says.
             conn.exec_driver_sql("BEGIN IMMEDIATE")
@@ -50,8 +57,8 @@ def make_engine(url: str, *, pre_ping: bool = True, pool_size: int = 40) -> Engi
     # pre_ping: a restarted Postgres leaves dead pooled connections behind. pool_size: connections beyond it
     # are closed when returned, and Postgres forks a backend per connection, so a pool smaller than the
     # threads that use it (the API's thread pool runs up to 40) opened and closed a connection per request
-    # under load: ~10% of the API's CPU and more of Postgres' (bench/ingest.py api, py-spy). Idle pooled
-    # connections cost Postgres little; max_overflow still bounds a burst.
+    # under load, a cost to the API's CPU and more to Postgres' (bench/ingest.py). Idle pooled connections
+    # cost Postgres little; max_overflow still bounds a burst.
     return create_engine(url, pool_pre_ping=pre_ping, pool_size=pool_size, max_overflow=20)
 
 

@@ -4,9 +4,9 @@ always once more after the last request.
 
 The work is a function of the database's state, not of which job asked, so one run that starts after the
 last request covers every request before it. Run in each job's own thread, the after-job top-up and finalize
-check cost ~4.6 ms of a tiny-model worker's CPU per job (two queries and a commit under the GIL the engine's
-thread waits for), and cut its throughput by a quarter (bench/compare.py, ablated side by side). Once per
-interval per key, it costs a few ms a second whatever the job rate; a window refill waits at most `interval`.
+check cost two queries and a commit per job, under the GIL the engine's thread waits for, and held back a
+tiny-model worker's throughput (bench/compare.py, ablated side by side). Once per interval per key, its cost
+does not grow with the job rate; a window refill waits at most `interval`.
 
 A request that arrives while its key's run is in progress schedules one more run, no earlier than `interval`
 after that run started: no request is ever dropped. Errors are logged; the key is free again afterwards. A

@@ -24,7 +24,7 @@ from datetime import timedelta
 from sqlalchemy import and_, func, select, update
 from sqlalchemy.orm import Session
 
-from common.db import Database
+from common.db import Database, rowcount
 from common.models import Job, JobStatus, utcnow
 
 log = logging.getLogger(__name__)
@@ -124,4 +124,4 @@ def mark_unsent(session: Session, job_ids: list[str]) -> int:
         update(Job).where(and_(Job.id.in_(job_ids), Job.status == JobStatus.QUEUED))
         .values(dispatched_at=None).execution_options(synchronize_session=False)
     )
-    return session.execute(stmt).rowcount
+    return rowcount(session, stmt)

@@ -9,6 +9,7 @@ once a stop has been asked for, so the loop comes round to see it; any other dra
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from celery.worker import state as worker_state
@@ -20,13 +21,14 @@ SLICE_SECONDS = 0.05
 
 class Transport(memory.Transport):
     def drain_events(self, connection: Any, timeout: float | None = None, **kwargs: Any) -> Any:
+        drain: Callable[..., Any] = super().drain_events  # kombu's, untyped
         if timeout is None:
-            return super().drain_events(connection, timeout=timeout, **kwargs)
+            return drain(connection, timeout=timeout, **kwargs)
         deadline = time.monotonic() + timeout
         while True:
             remaining = deadline - time.monotonic()
             try:
-                return super().drain_events(connection, timeout=max(0.0, min(SLICE_SECONDS, remaining)), **kwargs)
+                return drain(connection, timeout=max(0.0, min(SLICE_SECONDS, remaining)), **kwargs)
             except TimeoutError:
                 if remaining <= SLICE_SECONDS or worker_state.should_terminate is not None:
                     raise

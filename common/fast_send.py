@@ -1,12 +1,11 @@
 """run_job messages written straight into Redis, in the exact format Celery's send_task gives them there.
 
-Celery's send_task costs ~470 us of CPU a message here (building the message through signals and routers,
-then kombu makes a new redis-py client for every publish): the largest single cost of POST /v1/jobs after
-the SQL insert, measured with bench/ingest.py. This writes the same JSON envelope (task protocol 2, kombu's
-Redis transport: base64 body, the priority step's list `<queue>\\x06\\x16<step>`) with one pooled redis-py
-client, many messages in one LPUSH: ~30 us a message. Consumers cannot tell the difference
-(tests/common/test_fast_send.py checks a real Celery worker runs them and compares envelopes field by field);
-common/broker_messages.py already reads this format for the republisher.
+Celery's send_task builds each message through signals and routers, then kombu makes a new redis-py client for every
+publish: the largest single cost of POST /v1/jobs after the SQL insert (bench/ingest.py). This writes the same JSON
+envelope (task protocol 2, kombu's Redis transport: base64 body, the priority step's list `<queue>\\x06\\x16<step>`)
+with one pooled redis-py client, many messages in one LPUSH, at a small part of the cost. Consumers cannot tell the
+difference (tests/common/test_fast_send.py checks a real Celery worker runs them and compares envelopes field by
+field); common/broker_messages.py already reads this format for the republisher.
 
 Only for plain Redis brokers (redis://, rediss://) without a key prefix; anything else goes through Celery.
 """

@@ -239,7 +239,7 @@ def open_seekable(store: ObjectStore, key: str, size: int) -> io.BufferedReader:
             return store._path(key).open("rb")
         except FileNotFoundError:
             raise ObjectNotFound(key) from None
-    return io.BufferedReader(io.BytesIO(store.get(key)))  # type: ignore[arg-type]
+    return io.BufferedReader(io.BytesIO(store.get(key)))
 
 
 def file_key(file_id: str, tenant: str) -> str:

@@ -1,9 +1,9 @@
 """How long this process's garbage collections stopped it, by generation, for Prometheus.
 
 A collection runs in whichever thread allocated last and holds the GIL throughout, so its length is time the
-process did nothing else. Full collections over a large heap took 0.2-0.4 s in a busy worker before start-up
-heaps were frozen (common/heap.py); `vlmq_gc_pause_seconds_total{generation="2"}` is how a deployment sees that
-the freeze holds. prometheus-client's own GC collector counts collections but not their length.
+process did nothing else. Full collections over a large heap stopped a busy worker for long stretches before
+start-up heaps were frozen (common/heap.py); `vlmq_gc_pause_seconds_total{generation="2"}` is how a deployment
+sees that the freeze holds. prometheus-client's own GC collector counts collections but not their length.
 """
 
 from __future__ import annotations

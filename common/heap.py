@@ -3,10 +3,10 @@
 A serving process tracks hundreds of thousands of objects once it has imported torch, transformers, SQLAlchemy,
 Celery and boto3 and loaded a tokenizer, and none of them will ever be garbage. Python's full collection
 (generation 2) still walks them all while holding the GIL, and the per-job objects of a busy worker (ORM rows,
-messages, requests) trigger one every few seconds: in bench/compare.py's service on tiny jobs the worker stopped
-for 220-415 ms at a time, 12% of a 1.8-3.4 s run, and the API for 60-80 ms. `gc.freeze()` moves every tracked
-object to a permanent generation that collections skip, so they scan only what was made since. vLLM does the
-same once its engine is up (vllm/utils/gc_utils.py, freeze_gc_heap).
+messages, requests) trigger one every few seconds: each a pause of the whole process, which bench/compare.py's
+service on tiny jobs shows in the worker and the API alike. `gc.freeze()` moves every tracked object to a
+permanent generation that collections skip, so they scan only what was made since. vLLM does the same once its
+engine is up (vllm/utils/gc_utils.py, freeze_gc_heap).
 
 Called by process entry points once start-up is done (common/cli.py, the engine process), never by library
 code: a frozen object is never freed, which is right for a process's long-lived state and wrong for the test

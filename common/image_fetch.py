@@ -209,7 +209,7 @@ class ImageFetcher:
         try:
             with client.stream("GET", url, timeout=httpx.Timeout(remaining)) as response:
                 if response.status_code in _REDIRECTS:
-                    location = response.headers.get("location")
+                    location: str | None = response.headers.get("location")
                     if not location:
                         raise ImageFetchError(f"image URL answered {response.status_code} without a Location")
                     return location

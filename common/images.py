@@ -381,11 +381,11 @@ def _load(im: Image.Image, max_pixels: int) -> None:
 
 
 def _apply_exif_orientation(im: Image.Image) -> Image.Image:
-    # In place: the image is this module's own, and copying a photo that needs no turn (most) doubled the time
-    # decode_image took. Leaving the `with` of its opening only drops the file, never the loaded pixels.
+    # In place: the image is this module's own, and a copy of a photo that needs no turn (most) would cost as
+    # much as its decode. Leaving the `with` of its opening only drops the file, never the loaded pixels.
     # Cameras and editors write plenty of malformed EXIF; a broken orientation tag is no reason to reject pixels
     # that decoded fine, so such an image is used as stored.
-    with suppress(_DECODE_ERRORS):
+    with suppress(*_DECODE_ERRORS):
         ImageOps.exif_transpose(im, in_place=True)
     return im
 

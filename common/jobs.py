@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session
 from sqlalchemy.sql.elements import BindParameter
 
 from common.claimed_job import CLAIMED_COLUMNS, ClaimedJob
+from common.db import rowcount
 from common.models import DEFAULT_TENANT, Job, JobStatus, NulSafeText, UTCDateTime, new_id, utcnow
 
 
@@ -148,9 +149,8 @@ def _is_postgres(executor: Session | Connection) -> bool:
 
 # The grouped claim and finish on Postgres: built once, with every value a bound parameter (the ids and the
 # results as arrays), so the SQL is the same for any group size and SQLAlchemy compiles it once. An IN list or
-# a VALUES list is a new statement for each size and content; at the 1-4 jobs a worker's groups often hold,
-# building and compiling cost more CPU than the round trip (0.7 against 1.2 ms a claim, 0.7 against 1.6 ms a
-# finish, alone; 0.2 against 0.4-0.5 ms a job in groups of 4).
+# a VALUES list is a new statement for each size and content; at the few jobs a worker's groups often hold,
+# building and compiling such a statement costs more CPU than its round trip (bench/state_writes.py).
 _NOW = bindparam("now", type_=UTCDateTime())
 _PG_CLAIM_MANY = (
     update(_JOBS)
@@ -192,7 +192,7 @@ def heartbeat(session: Session, job_ids: list[str], worker_id: str, lease_second
         .values(lease_until=utcnow() + timedelta(seconds=lease_seconds))
         .execution_options(synchronize_session=False)
     )
-    return session.execute(stmt).rowcount
+    return rowcount(session, stmt)
 
 
 def held_by(session: Session, job_ids: list[str], worker_id: str) -> set[str]:
@@ -214,7 +214,7 @@ def finish(session: Session | Connection, job_id: str, worker_id: str, result: J
                                     result.prompt_tokens, result.completion_tokens))
         .execution_options(synchronize_session=False)
     )
-    return session.execute(stmt).rowcount == 1
+    return rowcount(session, stmt) == 1
 
 
 def finish_many(session: Session | Connection, worker_id: str, results: dict[str, JobResult]) -> set[str]:
@@ -246,7 +246,7 @@ def fail(session: Session, job_id: str, worker_id: str, code: str, message: str)
         )
         .execution_options(synchronize_session=False)
     )
-    return session.execute(stmt).rowcount == 1
+    return rowcount(session, stmt) == 1
 
 
 def release(session: Session, job_id: str, worker_id: str, code: str, message: str) -> str | None:
@@ -261,7 +261,7 @@ def release(session: Session, job_id: str, worker_id: str, code: str, message: s
                 error_code=code, error_message=message[:4000])
         .execution_options(synchronize_session=False)
     )
-    if session.execute(dead).rowcount == 1:
+    if rowcount(session, dead) == 1:
         return JobStatus.DEAD
     requeue = (
         update(Job)
@@ -270,7 +270,7 @@ def release(session: Session, job_id: str, worker_id: str, code: str, message: s
                 error_code=code, error_message=message[:4000])
         .execution_options(synchronize_session=False)
     )
-    return JobStatus.QUEUED if session.execute(requeue).rowcount == 1 else None
+    return JobStatus.QUEUED if rowcount(session, requeue) == 1 else None
 
 
 def cancel(session: Session, job_id: str) -> bool:
@@ -281,7 +281,7 @@ def cancel(session: Session, job_id: str) -> bool:
         .values(status=JobStatus.CANCELLED, finished_at=utcnow(), lease_owner=None, lease_until=None)
         .execution_options(synchronize_session=False)
     )
-    return session.execute(stmt).rowcount == 1
+    return rowcount(session, stmt) == 1
 
 
 def reap(session: Session, limit: int = 1000, *, every_lease: bool = False) -> dict[str, list[str]]:
@@ -307,7 +307,7 @@ def reap(session: Session, limit: int = 1000, *, every_lease: bool = False) -> d
                     error_code="lease_expired", error_message="worker lost; attempts exhausted")
             .execution_options(synchronize_session=False)
         )
-        if session.execute(dead).rowcount == 1:
+        if rowcount(session, dead) == 1:
             outcome[JobStatus.DEAD].append(job_id)
             continue
         requeue = (
@@ -317,6 +317,6 @@ def reap(session: Session, limit: int = 1000, *, every_lease: bool = False) -> d
             .values(status=JobStatus.QUEUED, lease_owner=None, lease_until=None, dispatched_at=None)
             .execution_options(synchronize_session=False)
         )
-        if session.execute(requeue).rowcount == 1:
+        if rowcount(session, requeue) == 1:
             outcome[JobStatus.QUEUED].append(job_id)
     return outcome

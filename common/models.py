@@ -6,9 +6,9 @@ import enum
 import os
 import time
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, ClassVar
 
-from sqlalchemy import JSON, BigInteger, DateTime, Index, Integer, String, Text, TypeDecorator
+from sqlalchemy import JSON, BigInteger, DateTime, Index, Integer, String, Table, Text, TypeDecorator
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -91,7 +91,8 @@ TERMINAL_STATUSES = frozenset({JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.
 
 
 class Base(DeclarativeBase):
-    pass
+    # Every model here maps one Table (DeclarativeBase types it as any FromClause, which has no update()).
+    __table__: ClassVar[Table]
 
 
 class ImageRecord(Base):

@@ -1,8 +1,8 @@
 """Bulk INSERT .. ON CONFLICT DO NOTHING on Postgres as one statement with one JSON parameter.
 
 SQLAlchemy's insertmanyvalues writes a VALUES list with one placeholder per cell, so every chunk sends a new
-statement of thousands of parameters that psycopg re-parses in Python (~100 us a row, most of an ingest
-chunk's cost, measured with bench/ingest.py); column arrays cost nearly as much in psycopg's text escaping.
+statement of thousands of parameters that psycopg re-parses in Python, most of an ingest chunk's cost
+(bench/ingest.py); column arrays cost nearly as much in psycopg's text escaping.
 Here the rows travel as one JSON document (json.dumps runs in C) that Postgres turns back into rows of the
 columns' types with `json_to_recordset`; the statement text depends only on the table and columns,
 so psycopg caches the parsed query and Postgres plans it once.

@@ -1,6 +1,7 @@
 """Refusing at submission a request whose prompt cannot fit the served model's context.
 
-A worker would tokenize it only to fail it (a 4 MB job of 100,000 messages cost one 10.7 s of CPU). Two checks:
+A worker would tokenize it only to fail it, and a job of many thousands of messages would hold the worker's CPU
+a long time to do so. Two checks:
 
 - plain caps on every request, whatever is known of the model: content parts (`max_job_messages`, a message
   whose content is a string is one part) and characters of text (`max_job_text_chars`);
@@ -98,6 +99,7 @@ def _least_in(served: ServedModel, text: str) -> int:
     """The tokens of `text` that no join with the text around it can change."""
     if not text:
         return 0
+    assert served.tokenizer is not None  # check_prompt_size counts only with a tokenizer
     words = served.tokenizer.encode(text, add_special_tokens=False).word_ids
     if not words:
         return 0

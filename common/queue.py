@@ -6,13 +6,16 @@ import contextlib
 import hashlib
 import threading
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from celery import Celery
 
 from common import broker_transport, fast_send
 from common.fast_send import RedisTaskSender
 from common.settings import Settings
+
+if TYPE_CHECKING:
+    from common.dispatch import Send
 
 TASK_RUN_JOB = "vlmq.run_job"
 TASK_INGEST_BATCH = "vlmq.ingest_batch"
@@ -85,7 +88,7 @@ def make_celery(settings: Settings) -> Celery:
         broker_heartbeat=0,
     )
     # Tasks read the settings the app was made with (embedded runs pass overrides that are not in the env).
-    app.vlmq_settings = settings  # type: ignore[attr-defined]
+    app.vlmq_settings = settings
     return app
 
 
@@ -95,14 +98,14 @@ def app_settings(app: Celery) -> Settings | None:
 
 def _direct_sender(app: Celery) -> RedisTaskSender | None:
     """The app's direct Redis sender (common/fast_send.py), made once; None when the broker needs Celery."""
-    sender = app.__dict__.get("vlmq_direct_sender", False)
+    sender: RedisTaskSender | Literal[False] | None = app.__dict__.get("vlmq_direct_sender", False)
     if sender is False:
         with _SENDER_LOCK:
             sender = app.__dict__.get("vlmq_direct_sender", False)
             if sender is False:
                 url = app.conf.broker_url or ""
                 sender = RedisTaskSender(url) if fast_send.usable(url, app.conf.broker_transport_options) else None
-                app.vlmq_direct_sender = sender  # type: ignore[attr-defined]
+                app.vlmq_direct_sender = sender
     return sender
 
 
@@ -129,8 +132,8 @@ def send_run_jobs(app: Celery, settings: Settings, job_ids: Iterable[str], prior
         return len(ids)
     with app.producer_or_acquire() as producer:
         # kombu >= 5.7 can buffer a producer's publishes into one Redis pipeline (one client and one round
-        # trip per 1,000 messages instead of per message: ~2x cheaper a message, bench/ingest.py); a failed
-        # flush raises here, as a failed single send would.
+        # trip per 1,000 messages instead of per message, bench/ingest.py); a failed flush raises here, as a
+        # failed single send would.
         batch = getattr(producer, "batch", None)
         with batch() if batch is not None else contextlib.nullcontext():
             for args in messages:
@@ -139,7 +142,7 @@ def send_run_jobs(app: Celery, settings: Settings, job_ids: Iterable[str], prior
     return len(ids)
 
 
-def model_sender(app: Celery, settings: Settings):  # type: ignore[no-untyped-def]
+def model_sender(app: Celery, settings: Settings) -> Send:
     """A common.dispatch `Send`: run_job messages to the queue of whichever model the jobs are for."""
 
     def send(model: str, job_ids: list[str], priority: int) -> int:

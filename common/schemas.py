@@ -76,7 +76,7 @@ class ChatCompletionRequest(StorableBody):
     n: Literal[1] | None = 1
     stream: Literal[False] | None = False
 
-    # Runs only for the fields a request gives (a validator after the model cost every request ~15 us).
+    # Runs only for the fields a request gives (a validator after the model would run on every request).
     # `priority` is JobCreate's.
     @field_validator("temperature", "top_p", "top_k", "n", "stream", "priority", mode="before", check_fields=False)
     @classmethod

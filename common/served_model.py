@@ -14,7 +14,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from common.settings import DEMO_MODEL
 
@@ -118,7 +118,7 @@ def _context_tokens(config: dict[str, Any], tokenizer_config: dict[str, Any]) ->
     return None
 
 
-def _positive_int(value: Any) -> bool:
+def _positive_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 

@@ -164,13 +164,12 @@ class Settings(BaseSettings):
     # job carries on (poll GET /v1/jobs/{id}). Below the openai client's own 600 s timeout.
     chat_wait_seconds: float = Field(default=300.0, gt=0, description="How long a chat completion waits for its "
                                      "job before a 504 that names the job.")
-    # 2,000: per-chunk costs (commit, resume point, dispatch top-up) fade below the per-line ones; a chunk
-    # holds only normalised requests (images are hashes), a few MB (bench/ingest.py: 500 -> 2,000 took
-    # 100k rows from ~8.5k to ~11.4k rows/s on Postgres, peak RSS 113 -> 121 MB).
+    # 2,000: per-chunk costs (commit, resume point, dispatch top-up) fade below the per-line ones, while a
+    # chunk holds only normalised requests (images are hashes), a few MB (bench/ingest.py).
     ingest_chunk_rows: int = Field(default=2000, ge=1, description="Input lines per ingest transaction.")
     # The first chunk is small and each next one doubles up to ingest_chunk_rows: workers start on a batch's
-    # first jobs once 64 lines are checked, not 2,000 (for 256 image lines, the first claim came 1.3 s after
-    # the upload), and the few extra transactions are spent only at the start.
+    # first jobs once 64 lines are checked, not 2,000, and the few extra transactions are spent only at the
+    # start.
     ingest_first_chunk_rows: int = Field(default=64, ge=1, description="Input lines in an ingestion's first "
                                          "transaction; each next one doubles, up to ingest_chunk_rows.")
     ingest_concurrency: int = Field(default=4, ge=1, description="Tasks a `vlmq ingest-worker` runs at once.")
@@ -179,7 +178,7 @@ class Settings(BaseSettings):
     # a window of the queue, not all of it. Size it above the jobs all workers of a model hold in flight.
     dispatch_window: int = Field(default=2048, ge=1, description="Jobs per tenant and model in the broker.")
     # Jobs sent together (a batch's chunks, POSTs written in one transaction) share run_job messages: Celery's
-    # receipt, task call and ack cost a worker ~1 ms of CPU a message (bench/celery_messages.py). A worker
+    # receipt, task call and ack cost a worker CPU per message, not per job (bench/celery_messages.py). A worker
     # counts such a message as that many of its `worker_concurrency` slots, so it holds no more jobs.
     job_ids_per_message: int = Field(default=16, ge=1, le=256, description="Most jobs one run_job message carries.")
     # Maintenance (Celery beat, `vlmq beat` or `vlmq ingest-worker --beat`): reap expired leases, send again

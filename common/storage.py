@@ -143,7 +143,8 @@ class S3ObjectStore:
             if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404", "NotFound"):
                 raise ObjectNotFound(key) from None
             raise
-        return response["Body"].read()
+        data: bytes = response["Body"].read()
+        return data
 
     def exists(self, key: str) -> bool:
         try:
@@ -158,9 +159,10 @@ class S3ObjectStore:
         self.client.delete_object(Bucket=self.bucket, Key=_check_key(key))
 
     def presigned_url(self, key: str, expires_seconds: int) -> str | None:
-        return self.client.generate_presigned_url(
+        url: str = self.client.generate_presigned_url(
             "get_object", Params={"Bucket": self.bucket, "Key": _check_key(key)}, ExpiresIn=expires_seconds
         )
+        return url
 
     def check(self) -> None:
         self.client.head_bucket(Bucket=self.bucket)

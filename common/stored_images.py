@@ -84,16 +84,18 @@ def store_image(session: Session, store: ObjectStore, data: bytes, settings: Set
     # No HEAD first: the key is the content's hash, so a PUT over an object left by an earlier attempt writes
     # the same bytes, and a new image (the case that reaches here) costs one S3 round trip instead of two.
     store.put(image_key(sha256), data, content_type=f"image/{info.format.lower()}")
-    values = {"id": sha256, "format": info.format, "width": info.width, "height": info.height,
+    values: dict[str, Any] = {"id": sha256, "format": info.format, "width": info.width, "height": info.height,
               "size_bytes": info.size_bytes, "created_at": utcnow()}
     if _insert_image(session, values, tenant):
         return StoredImage(**values)
     # Another request of this tenant's stored it a moment ago.
-    return owned_image(session, tenant, sha256)  # type: ignore[return-value]
+    stored = owned_image(session, tenant, sha256)
+    assert stored is not None  # the insert was refused only because the tenant's row is there
+    return stored
 
 
-# Both rows in one round trip (a second INSERT cost ingestion a fifth of its rows/s on new images,
-# bench/ingest.py). The image row may be another tenant's already: the same bytes, so the same values.
+# Both rows in one round trip (a second INSERT slowed the ingestion of new images, bench/ingest.py). The image
+# row may be another tenant's already: the same bytes, so the same values.
 _PG_INSERT_IMAGE = text(
     "WITH image AS (INSERT INTO images (id, format, width, height, size_bytes, created_at) "
     "VALUES (:id, :format, :width, :height, :size_bytes, :created_at) ON CONFLICT (id) DO NOTHING) "

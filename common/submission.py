@@ -8,6 +8,7 @@ refused.
 from __future__ import annotations
 
 import json
+from functools import partial
 from typing import Any, Literal
 
 from sqlalchemy import select
@@ -69,8 +70,7 @@ def normalize_request(
                     if images is None:
                         resolved = resolve_image(url, session, store, settings, tenant)
                     else:
-                        resolved = images.resolve(url, lambda u=url: resolve_image(u, session, store, settings,
-                                                                                    tenant))
+                        resolved = images.resolve(url, partial(resolve_image, url, session, store, settings, tenant))
                 pixels += resolved.pixels
                 if pixels > settings.max_job_pixels:
                     raise SubmissionError(f"the job's images hold over {settings.max_job_pixels:,} pixels in all "
@@ -112,7 +112,8 @@ def job_fields(
 ) -> dict[str, Any]:
     """common.jobs.new_job's arguments for `req`, checked and normalised (see normalize_request)."""
     if isinstance(req, JobCreate):
-        priority, metadata = req.priority, req.metadata
+        # A null priority was read as the default already (ChatCompletionRequest._null_means_default).
+        priority, metadata = priority if req.priority is None else req.priority, req.metadata
     return {"model": resolve_model(req.model, settings),
             "request": normalize_request(req, session, store, settings, tenant=tenant),
             "priority": priority, "max_attempts": settings.max_attempts, "metadata": metadata,

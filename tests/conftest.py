@@ -16,6 +16,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -175,7 +176,7 @@ class ApiServer:
         with self.app.state.vlmq.db.session() as session:
             return create_key(session, tenant).key
 
-    def client(self, api_key: str | None = None, **kwargs: object):  # type: ignore[no-untyped-def]
+    def client(self, api_key: str | None = None, **kwargs: object):
         """An httpx client for this server, authenticated as this server's tenant (or with `api_key`)."""
         import httpx
 
@@ -211,17 +212,17 @@ def service_env(pg_url: str, redis_url: str, s3_env: dict[str, str], tmp_path_fa
     }
 
 
-def settings_from_env(env: dict[str, str], **overrides: object):  # type: ignore[no-untyped-def]
+def settings_from_env(env: dict[str, str], **overrides: object):
     """The Settings a process started with `env` (VLMQ_* variables) would read, with `overrides` on top."""
     from common.settings import Settings
 
-    values = {k.removeprefix("VLMQ_").lower(): v for k, v in env.items() if k.startswith("VLMQ_")}
+    values: dict[str, Any] = {k.removeprefix("VLMQ_").lower(): v for k, v in env.items() if k.startswith("VLMQ_")}
     return Settings(**{**values, **overrides})
 
 
 @pytest.fixture(scope="session")
 def compose_stack(s3_env: dict[str, str], tiny_llava_path: Path,
-                  tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+                  tmp_path_factory: pytest.TempPathFactory):
     """compose.yaml's services run as local processes (tests/stack.py), shared by the smoke and status-page tests."""
     from tests.stack import local_stack
 

@@ -301,7 +301,8 @@ class FaultStack:
         from common.settings import Settings
 
         env = self.env()
-        return Settings(**{k.removeprefix("VLMQ_").lower(): v for k, v in env.items() if k.startswith("VLMQ_")})
+        values: dict[str, Any] = {k.removeprefix("VLMQ_").lower(): v for k, v in env.items() if k.startswith("VLMQ_")}
+        return Settings(**values)
 
     def start(self) -> FaultStack:
         from common.migrate import upgrade
@@ -421,7 +422,9 @@ class FaultStack:
                     objects[obj["Key"]] += 1
         with self._db().session() as session:
             rows = {j.id: j for j in session.scalars(select(Job).where(Job.id.in_(job_ids)))}
-        lost, stuck, duplicated, missing, over = [], [], [], [], []
+        lost: list[str] = []
+        stuck: list[str] = []
+        duplicated, missing, over = [], [], []
         statuses: Counter[str] = Counter()
         attempts: Counter[int] = Counter()
         for job_id in job_ids:

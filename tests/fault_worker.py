@@ -38,7 +38,7 @@ def _fail_consumer_start() -> None:
         app.steps["consumer"].add(BrokenConsumerStep)
         return app
 
-    common.queue.make_celery = make_broken_celery  # type: ignore[assignment]
+    common.queue.make_celery = make_broken_celery
 
 
 def install(faults: str) -> None:
@@ -75,7 +75,7 @@ def install(faults: str) -> None:
                     _die()
                 return request
 
-            worker.pipeline.generation_request = build_or_die  # type: ignore[assignment]
+            worker.pipeline.generation_request = build_or_die
         else:
             raise SystemExit(f"unknown fault {fault!r}")
 

@@ -49,7 +49,7 @@ def workers(stack: FaultStack) -> Iterator[list[Process]]:
 
 
 def start_worker(stack: FaultStack, workers: list[Process], faults: str = "", **env: str) -> Process:
-    worker = stack.worker(faults=faults, **env)
+    worker = stack.worker(4, faults, **env)
     workers.append(worker)
     stack.wait_worker_ready(worker)
     return worker

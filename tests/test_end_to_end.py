@@ -35,6 +35,7 @@ def make_image(rng: random.Random) -> bytes:
     size = (rng.randint(20, 120), rng.randint(20, 120))
     img = Image.new("RGB", size, tuple(rng.randint(0, 255) for _ in range(3)))
     px = img.load()
+    assert px is not None
     for _ in range(60):
         px[rng.randrange(size[0]), rng.randrange(size[1])] = tuple(rng.randint(0, 255) for _ in range(3))
     buf = io.BytesIO()

@@ -220,7 +220,7 @@ def _zip_entry_count(handle: io.BufferedReader, limit: int) -> int | None:
     return count
 
 
-def _tar_members(stream: io.BufferedReader, limits: ArchiveLimits) -> Iterator[Member]:
+def _tar_members(stream: io.BufferedIOBase, limits: ArchiveLimits) -> Iterator[Member]:
     count = 0
     with tarfile.open(fileobj=stream, mode="r|") as archive:
         for member in archive:
@@ -323,12 +323,13 @@ class _Inflating(io.RawIOBase):
             data = self._input()
             if not data:
                 return None  # truncated: tarfile reports it
-            out = d.decompress(data, want)
+            chunk: bytes = d.decompress(data, want)
             self.pending = d.unconsumed_tail
             self.consumed += len(data) - len(d.unconsumed_tail)
-            return out
+            return chunk
         data = self._input() if d.needs_input else b""
         if d.needs_input and not data:
             return None
         self.consumed += len(data)
-        return d.decompress(data, want)
+        inflated: bytes = d.decompress(data, want)
+        return inflated

@@ -13,9 +13,12 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from worker.generation import GenerationRequest, GenerationResult, InputError
+
+if TYPE_CHECKING:
+    from worker.engine.model_runner import PreparedInput
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +35,20 @@ class Generator(Protocol):
     def submit(self, prepared: Any) -> Future[GenerationResult]: ...
     def abort(self, request_id: str) -> None: ...
     def close(self, timeout: float = 10.0) -> None: ...
+
+
+@runtime_checkable
+class EngineGenerator(Generator, Protocol):
+    """A generator in front of the paged engine: its submit() takes a `PreparedInput` made anywhere, not only by
+    its own prepare(), so image jobs' inputs may be prepared in processes of their own (worker/prepare_pool.py).
+
+    `takes_engine_inputs` is what tells one apart at run time: every generator has the same methods, and only
+    their argument types, which isinstance cannot see, differ."""
+
+    takes_engine_inputs: Literal[True]
+
+    def prepare(self, req: GenerationRequest) -> PreparedInput: ...
+    def submit(self, prepared: PreparedInput) -> Future[GenerationResult]: ...
 
 
 @dataclass

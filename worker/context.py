@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from common.db import Database, get_database
 from common.settings import Settings, get_settings
 from common.storage import ObjectStore, make_store
-from worker.batcher import BatchingGenerator, Generator
+from worker.batcher import BatchingGenerator, EngineGenerator, Generator
 from worker.chunk_runner import ChunkRunner
 from worker.job_group import JobGroupRunner
 from worker.leases import LeaseKeeper
@@ -22,6 +22,7 @@ from worker.telemetry import WorkerTelemetry
 
 if TYPE_CHECKING:
     from worker.engine.config import EngineConfig
+    from worker.model_loader import LoadedModel
     from worker.prepare_pool import PreparePool
 
 log = logging.getLogger(__name__)
@@ -125,15 +126,13 @@ def engine_process(settings: Settings) -> Generator | None:
 
 
 def prepare_pool(settings: Settings, generator: Generator) -> PreparePool | None:
-    """The pool of settings.prepare_processes, where the generator is the paged engine (the HF backend batches
-    prepared inputs of its own)."""
-    from worker.engine.process import EngineProcess
-    from worker.engine.service import EngineService
+    """The pool of settings.prepare_processes, where the generator takes the paged engine's inputs from anywhere
+    (the HF backend batches prepared inputs of its own)."""
     from worker.prepare_pool import PreparePool
 
     if settings.prepare_processes == 0:
         return None
-    if not isinstance(generator, EngineProcess | EngineService):
+    if not isinstance(generator, EngineGenerator):
         log.warning("VLMQ_PREPARE_PROCESSES applies to the paged engine only; image jobs are prepared in their "
                     "own threads")
         return None
@@ -141,7 +140,7 @@ def prepare_pool(settings: Settings, generator: Generator) -> PreparePool | None
     return PreparePool(settings, settings.prepare_processes)
 
 
-def make_backend(loaded: object, settings: Settings) -> Generator:
+def make_backend(loaded: LoadedModel, settings: Settings) -> Generator:
     """The paged engine where it supports the model's family, else batched HF generate."""
     from worker.engine.engine import Engine
     from worker.engine.families import get_family
@@ -151,14 +150,14 @@ def make_backend(loaded: object, settings: Settings) -> Generator:
     use_engine = settings.backend == "engine"
     if settings.backend == "auto":
         try:
-            get_family(loaded.model)  # type: ignore[attr-defined]
+            get_family(loaded.model)
             use_engine = True
         except ValueError as exc:
             log.warning("falling back to batched HF generate: %s", exc)
     if not use_engine:
-        return BatchingGenerator(HFBatchRunner(loaded), max_batch_size=settings.max_batch_size,  # type: ignore[arg-type]
+        return BatchingGenerator(HFBatchRunner(loaded), max_batch_size=settings.max_batch_size,
                                  batch_wait_s=settings.batch_wait_ms / 1000)
-    return EngineService(Engine(loaded, engine_config(settings)))  # type: ignore[arg-type]
+    return EngineService(Engine(loaded, engine_config(settings)))
 
 
 _context: WorkerContext | None = None

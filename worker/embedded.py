@@ -20,7 +20,7 @@ from celery.worker import state as worker_state
 from sqlalchemy import update
 
 from common import batches, jobs
-from common.db import get_database
+from common.db import get_database, rowcount
 from common.models import Job, JobStatus, utcnow
 from common.queue import ingest_queue, send_ingest_batch, send_sweep_batches
 from common.settings import Settings
@@ -86,9 +86,9 @@ def take_over(settings: Settings) -> tuple[int, int]:
         if not any(outcome.values()):
             break
     with db.session() as session:
-        resent = session.execute(
+        resent = rowcount(session,
             update(Job).where(Job.status == JobStatus.QUEUED, Job.dispatched_at.is_not(None))
-            .values(dispatched_at=None).execution_options(synchronize_session=False)).rowcount
+            .values(dispatched_at=None).execution_options(synchronize_session=False))
     return resent, running
 
 

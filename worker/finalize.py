@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session
 
 from common import batches, jobs
 from common.batch_input import LineError, job_line, refused_line
-from common.db import Database
+from common.db import Database, rowcount
 from common.file_expiry import ExpiresAfter
 from common.files import ObjectWriter, add_file, open_writer
 from common.models import Batch, BatchLineError, BatchStatus, FileRecord, Job, JobStatus, new_file_id
@@ -178,9 +178,9 @@ def _attach_refusals(batch_id: str, tenant: str, db: Database, store: ObjectStor
         return
     with db.session() as session:
         record = _add_output_file(session, batch_id, tenant, "error", error_key(batch_id, tenant), size, expiry)
-        attached = session.execute(
+        attached = rowcount(session,
             update(Batch).where(Batch.id == batch_id, Batch.error_file_id.is_(None))
-            .values(error_file_id=record.id).execution_options(synchronize_session=False)).rowcount
+            .values(error_file_id=record.id).execution_options(synchronize_session=False))
         if not attached:  # a concurrent finalizer attached its record of the same object first
             session.delete(record)
 
@@ -205,8 +205,8 @@ def _write_lines(batch_id: str, db: Database, output: _JsonlObject, errors: _Jso
                    .order_by(BatchLineError.line).execution_options(yield_per=ROWS_PER_READ))
         for err in session.scalars(refused):
             tally.failed += 1
-            line = LineError(err.line, err.custom_id, err.code, err.message)
-            errors.add(refused_line(line, f"batch_req_{batch_id}_line{err.line}"))
+            error = LineError(err.line, err.custom_id, err.code, err.message)
+            errors.add(refused_line(error, f"batch_req_{batch_id}_line{err.line}"))
         stmt = (select(Job).where(Job.batch_id == batch_id).order_by(Job.id)
                 .execution_options(yield_per=ROWS_PER_READ))
         for job in session.scalars(stmt):

@@ -18,7 +18,7 @@ import inspect
 import secrets
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
@@ -113,7 +113,7 @@ class _PerRowStop(StoppingCriteria):
                 tail = input_ids[row, max(self.start, input_ids.shape[1] - window) :].tolist()
                 text = self.tokenizer.decode(tail, skip_special_tokens=True)
                 done[row] = any(s in text for s in stops)
-        return done
+        return cast(torch.BoolTensor, done)  # a bool tensor: StoppingCriteria names the legacy class
 
 
 class HFBatchRunner:

@@ -2,9 +2,9 @@
 
 An HF processor given a PIL image turns it into an array with `np.array(image)`, which goes through Pillow's
 `tobytes()`: that packs the pixels (4 bytes each inside Pillow, 3 in the array) 64 KB at a time into fresh
-buffers, joins them, and numpy copies the result: ~5.6 ms for a 1600x1200 photo, on the order of what resizing
-it costs now (worker/image_resize.py). Pillow's raw encoder asked for the whole image at once packs it in one
-call: the same bytes, ~2 ms with the copy that makes the array writable. Given the array, the processor skips
+buffers, joins them, and numpy copies the result, on the order of what resizing the photo costs now
+(worker/image_resize.py). Pillow's raw encoder asked for the whole image at once packs it in one call: the same
+bytes, with one copy fewer and no joins. Given the array, the processor skips
 its own conversion and computes the same pixel values (tests/worker/test_image_array.py; the token-identity
 tests with HF, which hand HF the PIL images, run through this too).
 

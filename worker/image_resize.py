@@ -1,10 +1,10 @@
 """How HF's PIL-backed image processors resize: with Pillow, or with torch's antialiased uint8 resize.
 
-Preparing a job with a photo is mostly resizing it: a 1600x1200 image to CLIP's 224 px took ~15 ms of the HF
-processor's ~20 ms in Pillow, on one core. transformers has two backends for each image processor; its default,
-the torchvision one, resizes uint8 images on CPU with torch's antialiased bicubic/bilinear kernel
-(`F.interpolate(..., antialias=True)`, vectorised and multi-threaded: ~1.3 ms for that photo), and is what an
-install with torchvision (and vLLM) runs. torchvision cannot be installed here, so the processors load with the
+Preparing a job with a photo is mostly resizing it: with Pillow, shrinking a camera photo to a tower's size is
+most of the HF processor's time. transformers has two backends for each image processor; its default, the
+torchvision one, resizes uint8 images on CPU with torch's antialiased bicubic/bilinear kernel
+(`F.interpolate(..., antialias=True)`, vectorised and multi-threaded, a fraction of Pillow's time), and is what
+an install with torchvision (and vLLM) runs. torchvision cannot be installed here, so the processors load with the
 Pillow backend; `use_torch_resize` swaps the one function that backend resizes with (`np_resize` in
 transformers.image_processing_backends) for the same torch kernel. Everything else (the processor's choice of
 size, crop, rescale, normalise) stays the processor's own. The kernel's filters are Pillow's (bicubic a=-0.5,

@@ -43,7 +43,7 @@ class LoadedModel:
         return getattr(text_config, "max_position_embeddings", None)
 
 
-def image_only_processor_class(base: type, name: str | None = None) -> type:
+def image_only_processor_class(base: type[Any], name: str | None = None) -> type[Any]:
     """Subclass of a processor class with its video slot removed.
 
     Processors of video-capable families (Qwen2-VL, InternVL, ...) take a `video_processor`, and every video
@@ -75,7 +75,7 @@ def load_processor(path_or_id: str, torch_resize: bool = True, **kwargs: Any) ->
         if is_torchvision_available():
             raise
         config = AutoConfig.from_pretrained(path_or_id, **kwargs)
-        base = PROCESSOR_MAPPING.get(type(config), None)
+        base: Any = PROCESSOR_MAPPING.get(type(config), None)  # a ProcessorMixin subclass
         if base is None or "video_processor" not in base.get_attributes():
             raise
         log.info(
@@ -144,6 +144,7 @@ def load_model(path_or_id: str, device: str = "cpu", dtype: torch.dtype = torch.
     path_or_id = model_location(path_or_id)
     processor = load_processor(path_or_id, torch_resize=torch_resize)
     tokenizer = processor.tokenizer
+    model: Any  # a PreTrainedModel of the checkpoint's VLM class
     if weights:
         model = AutoModelForImageTextToText.from_pretrained(path_or_id, dtype=dtype)
         model.to(device)
@@ -173,7 +174,7 @@ _PROBE_TEXT = "  Probe 1: what is 2+2?\n\tCafé naïve 東京 — ok.  \n"
 def text_alone_by_tokenizer(processor: Any, tokenizer: Any) -> bool:
     """Whether this processor, given a prompt and no images, returns exactly what its tokenizer does. A
     processor call merges its default kwargs and checks its inputs before it tokenizes, so a text-only prompt
-    costs 1.8-2.9x the CPU through it (bench/prepare.py, the test families' tiny models). Probed on a prompt of
+    costs several times the CPU through it (bench/prepare.py). Probed on a prompt of
     the model's own chat template; any difference (a key, a token, an error) keeps the processor for every
     prompt."""
     try:

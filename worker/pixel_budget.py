@@ -1,7 +1,7 @@
 """Decoded pixels a worker's job threads may hold at once while they prepare jobs' inputs.
 
 A job's images arrive compressed: 16 solid-colour 6000x6000 PNGs are 2 MB, decoded 1.7 GB, and the processor's
-copies multiply that (a worker grew by 4 GB on one such job). Sixty-four job threads preparing at once would
+copies multiply that. Sixty-four job threads preparing at once would
 take the worker down, and every tenant's jobs in it. So each job first reads its images' sizes from their
 headers, waits here until its pixels fit beside those already held, and gives them back once its inputs are
 prepared. Waiters are served in arrival order, so a large job is not passed over for ever by small ones; a job

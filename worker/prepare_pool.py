@@ -2,8 +2,8 @@
 
 A worker's job threads share one GIL, and an image job's inputs are the most Python it runs per job: the image's
 GET through boto3, its decode, and the HF processor (which also runs under one lock, since a fast tokenizer
-cannot be used from two threads at once). On 2 CPUs with tiny models that was 7-9 ms of the worker's GIL per job
-and paced its intake (docs/benchmarks.md); with larger images (InternVL's tiles, Qwen2-VL's native resolution)
+cannot be used from two threads at once). With tiny models that GIL time paced a worker's intake
+(docs/benchmarks.md); with larger images (InternVL's tiles, Qwen2-VL's native resolution)
 the processor alone takes tens of milliseconds, and a GPU worker with many cores would be held to one of them.
 Here each process has its own object store client and a weightless copy of the model (`load_model(weights=
 False)`: config, tokenizer, processor), and returns the engine's `PreparedInput`, pixels included.

@@ -57,7 +57,7 @@ def encode_prompt(loaded: LoadedModel, req: GenerationRequest) -> EncodedPrompt:
             f"{len(req.images)} image(s) were given"
         )
     rgb = [im if im.mode == "RGB" else im.convert("RGB") for im in req.images]
-    # Handed over as arrays: the processor's own conversion of a PIL image costs 3-4x as much (image_array.py).
+    # Handed over as arrays: the processor's own conversion of a PIL image copies it more (image_array.py).
     images = rgb if loaded.images_as_pil else [for_processor(im) for im in rgb]
     try:
         if images or not loaded.text_by_tokenizer:

@@ -27,9 +27,8 @@ from common.group_queue import next_group
 log = logging.getLogger(__name__)
 
 # How long a group waits after its first request for others. Without it, the writer thread wakes for each
-# request the moment it is queued and groups stayed at 1-2 (a claim alone costs ~1.4 ms of CPU, in a group of 8
-# ~0.2 ms a job); 3 ms cut the worker's CPU per tiny job by ~1.2 ms (bench/compare.py, side by side), against
-# jobs that take hundreds of milliseconds.
+# request the moment it is queued and groups stay at one or two, while a claim costs far less CPU a job in a
+# larger group (bench/compare.py, side by side); the wait is short beside the jobs it delays.
 LINGER_SECONDS = 0.003
 
 
@@ -44,7 +43,7 @@ class StateWriter:
     def __init__(self, db: Database, worker_id: str, lease_seconds: float, max_group: int = 512,
                  linger_seconds: float = LINGER_SECONDS) -> None:
         # On Postgres, a connection of its own without the pool's ping: the ping is a round trip before every
-        # transaction (~0.4 ms of CPU, as much as a grouped claim), and this thread needs none. A connection
+        # transaction (as much CPU as a grouped claim), and this thread needs none. A connection
         # that died (Postgres restarted) fails its group, SQLAlchemy then drops it, and the group is written
         # again job by job on a new one; the callers retry what still fails.
         self._own_db = db.engine.dialect.name == "postgresql"
@@ -64,7 +63,7 @@ class StateWriter:
 
     def claim(self, job_id: str) -> ClaimedJob | None:
         """common.jobs.claim(..., unless_last_try=True) of this one job, grouped with other threads' claims."""
-        return self._ask(_Request(job_id, None))  # type: ignore[no-any-return]
+        return self._ask(_Request(job_id, None))
 
     def claim_all(self, job_ids: list[str]) -> dict[str, ClaimedJob | Exception | None]:
         """`claim` of each job, asked for together so that they share a group: a chunk's claim. Each id maps to
@@ -128,7 +127,7 @@ class StateWriter:
             with self.db.engine.begin() as connection:
                 claimed = jobs.claim_many(connection, sorted({r.job_id for r in claims}), self.worker_id,
                                           self.lease_seconds)
-                finished = jobs.finish_many(connection, self.worker_id, finishes)  # type: ignore[arg-type]
+                finished = jobs.finish_many(connection, self.worker_id, finishes)
             self.num_transactions += 1
         except Exception:
             if len(group) == 1:

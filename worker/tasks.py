@@ -19,7 +19,7 @@ from celery.signals import task_received
 from common import batches, dispatch, jobs
 from common.db import Database, get_database
 from common.debounce import Debouncer
-from common.models import utcnow
+from common.models import JobStatus, utcnow
 from common.queue import (
     TASK_CANCEL_BATCH,
     TASK_FINALIZE_BATCH,
@@ -164,9 +164,9 @@ def register_tasks(app: Celery) -> None:
         ctx = batch_context(app)
         with ctx.db.session() as session:
             reaped = jobs.reap(session)
-        if reaped[jobs.JobStatus.QUEUED] or reaped[jobs.JobStatus.DEAD]:
-            log.info("reaped expired leases: %d requeued, %d dead", len(reaped[jobs.JobStatus.QUEUED]),
-                     len(reaped[jobs.JobStatus.DEAD]))
+        if reaped[JobStatus.QUEUED] or reaped[JobStatus.DEAD]:
+            log.info("reaped expired leases: %d requeued, %d dead", len(reaped[JobStatus.QUEUED]),
+                     len(reaped[JobStatus.DEAD]))
         _republish_lost(ctx)
         _resend_lost_ingestions(app, ctx)
         dispatch.top_up_all(ctx.db, ctx.settings.dispatch_window, model_sender(app, ctx.settings))

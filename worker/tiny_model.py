@@ -12,6 +12,7 @@ import argparse
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal
 
 import torch
 
@@ -115,7 +116,7 @@ def _build_tokenizer(
     mm_tokens: dict[str, str] | None = None,
     chat_template: str = CHAT_TEMPLATE,
     corpus: list[str] | None = None,
-):
+) -> Any:  # a PreTrainedTokenizerFast, whose token lookups typing leaves as int | list[int]
     """Byte-level BPE trained on `corpus` (default: a seeded corpus of common words); `mm_tokens` maps tokenizer
     attribute names to special tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -146,7 +147,7 @@ def _build_tokenizer(
     )
 
 
-def _text_config_kwargs(spec: TinySpec, tokenizer) -> dict:
+def _text_config_kwargs(spec: TinySpec, tokenizer: Any) -> dict[str, Any]:
     """Decoder sizes and special ids shared by every family's text config."""
     return {
         "vocab_size": len(tokenizer),
@@ -164,13 +165,13 @@ def _text_config_kwargs(spec: TinySpec, tokenizer) -> dict:
     }
 
 
-def _set_generation_ids(model, tokenizer) -> None:
+def _set_generation_ids(model: Any, tokenizer: Any) -> None:
     model.generation_config.bos_token_id = tokenizer.bos_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
 
 
-def _image_only_processor(base: type, **kwargs):
+def _image_only_processor(base: type[Any], **kwargs: Any) -> Any:
     """An instance of processor class `base` without its video slot, saved under `base`'s own name."""
     from worker.model_loader import image_only_processor_class
 
@@ -207,7 +208,7 @@ def build_tiny_llava(out_dir: Path, *, seed: int = 0, vision: str = "clip", spec
     image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
     n_patches = (spec.image_size // spec.patch_size) ** 2
 
-    tower = {
+    tower: dict[str, Any] = {
         "hidden_size": spec.vision_hidden,
         "intermediate_size": spec.vision_hidden * 2,
         "num_hidden_layers": spec.vision_layers,
@@ -215,8 +216,11 @@ def build_tiny_llava(out_dir: Path, *, seed: int = 0, vision: str = "clip", spec
         "image_size": spec.image_size,
         "patch_size": spec.patch_size,
     }
-    normalisation = {name: list(value) for name, value in (("image_mean", spec.image_mean),
+    normalisation: dict[str, Any] = {name: list(value) for name, value in (("image_mean", spec.image_mean),
                                                            ("image_std", spec.image_std)) if value is not None}
+    vision_config: CLIPVisionConfig | SiglipVisionConfig
+    image_processor: CLIPImageProcessorPil | SiglipImageProcessorPil
+    select_strategy: Literal["default", "full"]
     if vision == "clip":
         vision_config = CLIPVisionConfig(
             **tower, projection_dim=spec.vision_hidden, initializer_range=spec.vision_init_range
@@ -301,6 +305,7 @@ def build_tiny_qwen2_vl(out_dir: Path, *, seed: int = 0, version: str = "2") -> 
             "mrope_section": [head_dim // 2 - 2 * section, section, section],
         },
     )
+    vision_config: Qwen2VLVisionConfig | Qwen2_5_VLVisionConfig
     if version == "2":
         vision_config = Qwen2VLVisionConfig(
             depth=spec.vision_layers,
@@ -338,7 +343,8 @@ def build_tiny_qwen2_vl(out_dir: Path, *, seed: int = 0, version: str = "2") -> 
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
-    model = (Qwen2VLForConditionalGeneration if version == "2" else Qwen2_5_VLForConditionalGeneration)(config)
+    model = (Qwen2_5_VLForConditionalGeneration(config) if isinstance(config, Qwen2_5_VLConfig)
+             else Qwen2VLForConditionalGeneration(config))
     _set_generation_ids(model, tokenizer)
 
     image_processor = Qwen2VLImageProcessorPil(

@@ -117,7 +117,7 @@ def _answered_after(server: ApiServer, end: Callable[[str], None]) -> tuple[str,
 def test_a_succeeded_job_answers_its_chat_completion(client: OpenAI, server: ApiServer) -> None:
     key = uuid.uuid4().hex
     with ThreadPoolExecutor(1) as pool:
-        answer = pool.submit(client.chat.completions.create, model=MODEL, messages=messages(), max_tokens=5,
+        answer = pool.submit(client.chat.completions.create, model=MODEL, messages=messages(), max_tokens=5,  # type: ignore[arg-type]
                              extra_headers={"Idempotency-Key": key})
         job_id = job_with_key(server, key)
         with server.client() as http:

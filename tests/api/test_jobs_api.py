@@ -7,6 +7,7 @@ import io
 import json
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -15,6 +16,7 @@ from PIL import Image
 
 from common.settings import Settings
 from tests.conftest import ApiServer, settings_from_env
+from tests.redis_text import text
 
 MODEL = "tiny-test-model"
 
@@ -65,7 +67,7 @@ def test_submit_json_job_is_queued_and_dispatched(api: httpx.Client, settings: S
     # The Celery message sits in the model's Redis queue, addressed to the task by name.
     # Celery keeps one Redis list per priority step: "<queue>" and "<queue>\x06\x16<step>".
     client = redis.Redis.from_url(settings.broker_url)
-    keys = [k for k in client.keys(settings.job_queue + "*") if k.decode().startswith(settings.job_queue)]
+    keys = [k for k in client.keys(settings.job_queue + "*") if text(k).startswith(settings.job_queue)]
     bodies = [json.loads(m) for key in keys for m in client.lrange(key, 0, -1)]
     mine = [b for b in bodies if b["headers"]["argsrepr"] == repr([job["id"]])]
     assert len(mine) == 1 and mine[0]["headers"]["task"] == "vlmq.run_job"
@@ -120,7 +122,7 @@ def test_list_with_status_filter_and_cursor(api: httpx.Client) -> None:
     seen: list[str] = []
     cursor = None
     while True:
-        params = {"status": "queued", "limit": 2, **({"after": cursor} if cursor else {})}
+        params: dict[str, str | int] = {"status": "queued", "limit": 2, **({"after": cursor} if cursor else {})}
         page = api.get("/v1/jobs", params=params).json()
         assert all(j["status"] == "queued" for j in page["data"])
         seen += [j["id"] for j in page["data"]]
@@ -266,9 +268,9 @@ def test_hostile_headers_and_forms_never_500(api: httpx.Client) -> None:
     assert no_file.status_code == 422
 
 
-def _messages(settings: Settings, queue: str) -> list[dict]:
+def _messages(settings: Settings, queue: str) -> list[dict[str, Any]]:
     client = redis.Redis.from_url(settings.broker_url)
-    keys = [k for k in client.keys(queue + "*") if k.decode().startswith(queue)]
+    keys = [k for k in client.keys(queue + "*") if text(k).startswith(queue)]
     return [json.loads(m) for key in keys for m in client.lrange(key, 0, -1)]
 
 

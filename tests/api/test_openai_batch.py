@@ -141,11 +141,12 @@ def test_uploads_expire_as_asked_and_the_sweep_deletes_them(stack: Stack) -> Non
     from common.file_expiry import delete_expired_files
     from common.models import FileRecord, utcnow
 
-    week = {"anchor": "created_at", "seconds": 7 * 24 * 3600}
+    week: Any = {"anchor": "created_at", "seconds": 7 * 24 * 3600}  # the openai client's ExpiresAfter
     kept = stack.client.files.create(file=("kept.jsonl", b"{}\n"), purpose="batch")
     expiring = stack.client.files.create(file=("gone.jsonl", b"{}\n"), purpose="batch", expires_after=week)
     assert kept.expires_at is None and expiring.expires_at == expiring.created_at + week["seconds"]
-    for bad in ({"anchor": "created_at", "seconds": 60}, {"anchor": "last_active_at", "seconds": 3600}):
+    bads: list[Any] = [{"anchor": "created_at", "seconds": 60}, {"anchor": "last_active_at", "seconds": 3600}]
+    for bad in bads:
         with pytest.raises(openai.BadRequestError, match="expires_after"):
             stack.client.files.create(file=("x.jsonl", b"{}\n"), purpose="batch", expires_after=bad)
     flat = stack.http.post("/v1/files", files={"file": ("x.jsonl", b"{}\n")},
@@ -153,7 +154,7 @@ def test_uploads_expire_as_asked_and_the_sweep_deletes_them(stack: Stack) -> Non
     assert flat.status_code == 400 and "expires_after[seconds]" in flat.json()["error"]["message"]
     db = stack.server.app.state.vlmq.db
     with db.session() as session:  # a week passes
-        session.get(FileRecord, expiring.id).expires_at = utcnow()  # type: ignore[union-attr]
+        session.get(FileRecord, expiring.id).expires_at = utcnow()
     assert delete_expired_files(db, stack.server.app.state.vlmq.store) >= 1
     with pytest.raises(openai.NotFoundError):
         stack.client.files.retrieve(expiring.id)
@@ -254,7 +255,7 @@ def test_each_distinct_image_is_stored_once(stack: Stack) -> None:
     before = stack.image_keys()
     lines = [request_line(f"dedup-{i}", text_body(f"look {i}", image=images[i % 3])) for i in range(24)]
     done = stack.wait(stack.run(lines).id)
-    assert done.status == "completed" and done.request_counts.completed == 24  # type: ignore[union-attr]
+    assert done.status == "completed" and done.request_counts.completed == 24
     assert len(stack.image_keys() - before) == 3
 
 
@@ -281,7 +282,7 @@ def test_cancel_keeps_finished_results_and_single_jobs_outrank_batches(stack: St
     assert {e["error"]["code"] for e in errors} == {"batch_cancelled"}, errors
     # Every request is in exactly one file; the single job, sent after the batch, ran before these.
     assert sorted(x["custom_id"] for x in output + errors) == sorted(f"slow-{i}" for i in range(80))
-    assert done.request_counts.completed == len(output) < 80  # type: ignore[union-attr]
+    assert done.request_counts.completed == len(output) < 80
     assert stack.client.batches.cancel(batch.id).status == "cancelled"  # idempotent
     with pytest.raises(openai.ConflictError, match="can no longer be cancelled"):
         stack.client.batches.cancel(stack.wait(stack.run([request_line("x", text_body("x"))]).id).id)
@@ -294,7 +295,8 @@ def test_expired_batch_keeps_finished_results(stack: Stack) -> None:
     batch = stack.wait(stack.run(lines).id, ("in_progress", *FINAL))
     assert batch.status == "in_progress", batch
     deadline = time.monotonic() + 60
-    while (batch := stack.client.batches.retrieve(batch.id)).request_counts.completed == 0:
+    while ((counts := (batch := stack.client.batches.retrieve(batch.id)).request_counts) is None
+           or counts.completed == 0):
         assert time.monotonic() < deadline and batch.status == "in_progress", batch
         time.sleep(0.02)
     with get_database(stack.settings.database_url).session() as session:  # its 24 h window is over
@@ -306,7 +308,7 @@ def test_expired_batch_keeps_finished_results(stack: Stack) -> None:
     errors = stack.jsonl(done.error_file_id)
     assert {e["error"]["code"] for e in errors} == {"batch_expired"}
     assert sorted(x["custom_id"] for x in output + errors) == sorted(f"late-{i}" for i in range(120))
-    assert done.request_counts.completed == len(output) > 0  # type: ignore[union-attr]
+    assert done.request_counts.completed == len(output) > 0
 
 
 def test_native_dataset_zip_in_one_request_and_tar_in_two_match_hf(stack: Stack, tiny_llava_path: Path) -> None:
@@ -333,7 +335,7 @@ def test_native_dataset_zip_in_one_request_and_tar_in_two_match_hf(stack: Stack,
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tf.addfile(info, io.BytesIO(data))
-    bodies = {cid: {"messages": [{"role": "user", "content": [
+    bodies: dict[str, dict[str, Any]] = {cid: {"messages": [{"role": "user", "content": [
         *({"type": "image_url", "image_url": {"url": p}} for p in paths), {"type": "text", "text": prompt}]}],
         "max_tokens": n} for cid, paths, prompt, n in rows}
     images_id = stack.client.files.create(file=("pics.tar.gz", tarred.getvalue()), purpose="batch").id
@@ -344,7 +346,7 @@ def test_native_dataset_zip_in_one_request_and_tar_in_two_match_hf(stack: Stack,
     answers = []
     for batch_id in (one_request.json()["id"], two_uploads.id):
         done = stack.wait(batch_id)
-        assert done.status == "completed" and done.request_counts.completed == 4, done  # type: ignore[union-attr]
+        assert done.status == "completed" and done.request_counts.completed == 4, done
         answers.append({o["custom_id"]: o["response"]["body"]["choices"][0]["message"]["content"]
                         for o in stack.jsonl(done.output_file_id)})
     loaded = load_model(str(tiny_llava_path))
@@ -441,8 +443,8 @@ def test_file_lifecycle_and_delete(stack: Stack) -> None:
 def test_batches_that_cannot_run_fail(stack: Stack) -> None:
     done = stack.wait(stack.run(["{nope", request_line("x", {"messages": []})]).id)
     assert done.status == "failed" and done.failed_at and done.output_file_id is None
-    assert [(e.line, e.code) for e in done.errors.data] == [(1, "invalid_json"), (2, "invalid_request")]  # type: ignore[union-attr]
-    assert done.request_counts.total == 2 and done.request_counts.failed == 2  # type: ignore[union-attr]
+    assert [(e.line, e.code) for e in done.errors.data] == [(1, "invalid_json"), (2, "invalid_request")]
+    assert done.request_counts.total == 2 and done.request_counts.failed == 2
 
 
 def test_bad_requests_are_4xx_with_a_message(stack: Stack) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -50,7 +51,7 @@ def _app_schema() -> dict:
     from common.settings import Settings
 
     with tempfile.TemporaryDirectory() as folder:
-        app = create_app(Settings(data_dir=folder, database_url=f"sqlite:///{folder}/schema.db", model=MODEL))
+        app = create_app(Settings(data_dir=Path(folder), database_url=f"sqlite:///{folder}/schema.db", model=MODEL))
         document = app.openapi()
         app.state.vlmq.db.dispose()
     return document

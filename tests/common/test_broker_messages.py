@@ -17,6 +17,7 @@ from common.db import Database
 from common.models import Job
 from common.queue import make_celery, model_sender
 from common.settings import Settings
+from tests.redis_text import text
 
 
 def test_live_ids_cover_queued_and_unacked_messages_and_lost_ones_are_resent(db: Database, redis_url: str) -> None:
@@ -33,9 +34,10 @@ def test_live_ids_cover_queued_and_unacked_messages_and_lost_ones_are_resent(db:
     assert set(ids) <= live
     # A worker took the first message (kombu moves it to the `unacked` hash until the ack): still live.
     queue = settings.job_queue
-    keys = [k for k in client.keys(queue + "*") if k.decode().startswith(queue)]
+    keys = [k for k in client.keys(queue + "*") if text(k).startswith(queue)]
     assert keys
     raw = client.rpop(keys[0])
+    assert isinstance(raw, bytes)
     client.hset("unacked", "delivery-tag-1", b'[' + raw + b', "", "' + queue.encode() + b'"]')
     client.zadd("unacked_index", {"delivery-tag-1": time.time() - 30})
     assert set(ids) <= live_job_ids(redis_url)
@@ -55,7 +57,7 @@ def test_live_ids_cover_queued_and_unacked_messages_and_lost_ones_are_resent(db:
     assert set(ids) <= live_job_ids(redis_url)
     with db.session() as session:
         assert all(session.scalars(select(Job.dispatched_at).where(Job.id.in_(ids))))
-    client.delete(*[k for k in client.keys(queue + "*") if k.decode().startswith(queue)])
+    client.delete(*[k for k in client.keys(queue + "*") if text(k).startswith(queue)])
 
 
 def test_only_redis_can_be_listed() -> None:

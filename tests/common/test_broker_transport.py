@@ -64,7 +64,7 @@ def test_a_worker_connection_closed_after_redis_died_raises_no_attribute_error(
     Consumer(conn.channel(), [BROADCAST], accept=["json"]).consume()
     _drain_until(conn, received)
     assert len(received) == 1  # held, not acked
-    conn.default_channel._brpop_start()  # the event loop's next BRPOP, in flight when Redis goes
+    conn.default_channel._brpop_start()  # type: ignore[attr-defined]  # the event loop's next BRPOP, in flight when Redis goes
 
     redis_server.kill()
     conn.collect(socket_timeout=1)
@@ -90,5 +90,5 @@ def test_a_detached_channel_asked_for_a_new_pool_raises_a_connection_error(redis
     channel = conn.default_channel
     conn.collect()  # detaches the transport: transport.client is None
     with pytest.raises(RedisConnectionError):
-        channel._connparams()
+        channel._connparams()  # type: ignore[attr-defined]
     assert issubclass(RedisConnectionError, conn.connection_errors)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
+from typing import Any
 
 import pytest
 from sqlalchemy import insert, select
@@ -18,7 +19,7 @@ from common.db import Database
 from common.models import Job, JobStatus, new_id, utcnow
 
 MODEL = "m"
-REQUEST = {"messages": [], "sampling": {}}
+REQUEST: dict[str, Any] = {"messages": [], "sampling": {}}
 RESULT = jobs.JobResult("results/x.json", "ok", "stop", 1, 1)
 
 
@@ -43,9 +44,10 @@ class Broker:
 
 def add_batch_jobs(db: Database, tenant: str, count: int, batch_id: str | None = None) -> list[str]:
     batch_id = batch_id or new_id("batch")
-    rows = [{"id": new_id("job"), "tenant": tenant, "status": JobStatus.QUEUED, "model": MODEL, "priority": 2,
-             "request": REQUEST, "batch_id": batch_id, "custom_id": str(i), "attempts": 0, "max_attempts": 3,
-             "created_at": utcnow(), "dispatched_at": None} for i in range(count)]
+    rows: list[dict[str, Any]] = [
+        {"id": new_id("job"), "tenant": tenant, "status": JobStatus.QUEUED, "model": MODEL, "priority": 2,
+         "request": REQUEST, "batch_id": batch_id, "custom_id": str(i), "attempts": 0, "max_attempts": 3,
+         "created_at": utcnow(), "dispatched_at": None} for i in range(count)]
     with db.session() as session:
         session.execute(insert(Job), rows)
     return [r["id"] for r in rows]

@@ -23,6 +23,7 @@ from common.queue import (
     send_run_jobs,
 )
 from common.settings import Settings
+from tests.redis_text import text
 
 
 def _settings(redis_url: str) -> Settings:
@@ -131,7 +132,7 @@ def test_a_celery_worker_runs_direct_messages_by_priority(redis_url: str) -> Non
         deadline = time.monotonic() + 60
         while client.llen("ran") < 5 and time.monotonic() < deadline and worker.poll() is None:
             time.sleep(0.1)
-        assert [m.decode() for m in client.lrange("ran", 0, -1)] == ["top", "high-1", "high-2", "low-1", "low-2"]
+        assert [text(m) for m in client.lrange("ran", 0, -1)] == ["top", "high-1", "high-2", "low-1", "low-2"]
     finally:
         worker.terminate()
         worker.wait(30)

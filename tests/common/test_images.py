@@ -41,8 +41,8 @@ def noise_image(size: tuple[int, int] = (64, 64), seed: int = 0) -> Image.Image:
     return Image.frombytes("RGB", size, random.Random(seed).randbytes(size[0] * size[1] * 3))
 
 
-def assert_close(actual: tuple[int, ...], expected: tuple[int, ...], tolerance: int) -> None:
-    assert len(actual) == len(expected)
+def assert_close(actual: float | tuple[int, ...] | None, expected: tuple[int, ...], tolerance: int) -> None:
+    assert isinstance(actual, tuple) and len(actual) == len(expected)
     assert all(abs(a - e) <= tolerance for a, e in zip(actual, expected, strict=True)), (actual, expected)
 
 
@@ -315,8 +315,8 @@ def test_32bit_int_and_float_modes_scaled() -> None:
     assert [to_rgb(wide).getpixel((x, 0)) for x in range(3)] == [BLACK, (128, 128, 128), WHITE]
 
     floats = Image.new("F", (3, 1))
-    for x, value in enumerate((0.0, 0.5, 1.0)):
-        floats.putpixel((x, 0), value)
+    for x, level in enumerate((0.0, 0.5, 1.0)):
+        floats.putpixel((x, 0), level)
     assert [to_rgb(floats).getpixel((x, 0)) for x in range(3)] == [BLACK, (128, 128, 128), WHITE]
 
 
@@ -409,7 +409,7 @@ def _animation(fmt: str, colours: list[tuple[int, int, int]], **params: object) 
 @pytest.mark.parametrize(("fmt", "params"), [("GIF", {}), ("WEBP", {"lossless": True})])
 def test_animation_first_frame(fmt: str, params: dict[str, object]) -> None:
     data = _animation(fmt, [RED, GREEN, BLUE], **params)
-    assert Image.open(io.BytesIO(data)).n_frames == 3
+    assert getattr(Image.open(io.BytesIO(data)), "n_frames", 1) == 3  # a plugin's attribute
     out = decode_image(data, max_pixels=100)
     assert out.mode == "RGB"
     assert out.size == (8, 8)

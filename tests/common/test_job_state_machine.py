@@ -268,7 +268,7 @@ class JobStateMachine(RuleBasedStateMachine):
 def test_job_state_machine(db: Database) -> None:
     """Derandomized, so CI runs the same sequences every time; each example starts from an empty jobs table."""
     run_state_machine_as_test(
-        lambda: JobStateMachine(db),
+        lambda: JobStateMachine(db),  # type: ignore[arg-type]
         settings=settings(
             max_examples=80,
             stateful_step_count=40,

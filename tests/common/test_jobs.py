@@ -92,8 +92,10 @@ def test_heartbeat_extends_only_own_leases(db: Database) -> None:
     before = _get(db, a).lease_until
     with db.session() as s:
         assert jobs.heartbeat(s, [a, b], "w1", 120) == 1
-    assert _get(db, a).lease_until > before + timedelta(seconds=60)
-    assert _get(db, b).lease_until < utcnow() + timedelta(seconds=5)
+    after_a, after_b = _get(db, a).lease_until, _get(db, b).lease_until
+    assert before is not None and after_a is not None and after_b is not None
+    assert after_a > before + timedelta(seconds=60)
+    assert after_b < utcnow() + timedelta(seconds=5)
 
 
 def test_release_requeues_then_dead_after_max_attempts(db: Database) -> None:

@@ -89,8 +89,8 @@ def test_the_count_never_exceeds_the_prompt_the_worker_tokenizes() -> None:
     rng = random.Random(7)
     closest = 0.0
     for _ in range(300):
-        messages = []
-        texts = []
+        messages: list[dict[str, Any]] = []
+        texts: list[str] = []
         for _ in range(rng.randint(1, 4)):
             role = rng.choice(["system", "user", "assistant"])
             if rng.random() < 0.5:

@@ -12,7 +12,7 @@ from common.queue import INGEST_QUEUE, TASK_FINALIZE_BATCH, ingest_queue, make_c
 from common.settings import Settings
 
 
-def test_embedded_setups_in_one_process_keep_their_batch_tasks_apart(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_embedded_setups_in_one_process_keep_their_batch_tasks_apart(tmp_path: Path, monkeypatch) -> None:
     """The memory broker's queues belong to the whole process: two embedded setups (two data folders) each
     get a batch-task queue of their own, the same one however the folder is spelled; with a real broker,
     every ingest worker shares `ingest`."""

@@ -9,7 +9,7 @@ BLOCKED = frozenset({"torch", "transformers", "safetensors", "torchvision"})
 
 
 class _ModelStackBlocker(MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):  # type: ignore[no-untyped-def]
+    def find_spec(self, name, path=None, target=None):
         if name.split(".")[0] in BLOCKED:
             raise ImportError(f"{name} is not installed in the API image")
         return None

@@ -19,8 +19,7 @@ from types import SimpleNamespace
 import pytest
 
 from common.storage import LocalObjectStore
-from worker.archive import ArchiveError, ArchiveLimits, Member, members
-from worker.dataset import normalize_path
+from worker.archive import ArchiveError, ArchiveLimits, Member, members, normalize_path
 
 PNG = b"\x89PNG\r\n\x1a\n" + b"not really, but bytes are bytes here" * 3
 LIMITS = ArchiveLimits(member_bytes=20 * 1024 * 1024, entries=1000, total_bytes=200 * 1024 * 1024, ratio=100)
@@ -160,7 +159,7 @@ def test_zip_member_lying_about_its_size_never_expands(tmp_path: Path) -> None:
 
 
 def test_entry_count_cap(tmp_path: Path) -> None:
-    many = [(f"{i}.png", PNG) for i in range(30)]
+    many: list[tuple[zipfile.ZipInfo | str, bytes]] = [(f"{i}.png", PNG) for i in range(30)]
     limits = ArchiveLimits(10**6, 10, 10**9, 100)
     with pytest.raises(ArchiveError, match=r"more than 10 entries \(archive_max_entries\)"):
         read(tmp_path, zip_of(many), limits)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from worker.batcher import BatchingGenerator
+from worker.batcher import BatchingGenerator, EngineGenerator
 from worker.generation import GenerationResult, InputError
 
 
@@ -55,3 +55,16 @@ def test_other_failures_stay_what_they_were(error: Exception) -> None:
     """Anything but a plain ValueError may pass (memory, a device, I/O) and is retried by the pipeline."""
     outcome = _run(_Backend({"x": error}), ["x"])["x"]
     assert outcome is error
+
+
+def test_only_the_paged_engines_fronts_take_inputs_prepared_elsewhere() -> None:
+    """worker/context.py builds a prepare pool only for an EngineGenerator: the engine in this process or in a
+    child is one; the HF batcher (its inputs are its own) and the null generator are not."""
+    from worker.engine.process import EngineProcess
+    from worker.engine.service import EngineService
+    from worker.null_generator import NullGenerator
+
+    for front in (EngineService, EngineProcess):
+        assert isinstance(object.__new__(front), EngineGenerator)
+    for other in (BatchingGenerator, NullGenerator):
+        assert not isinstance(object.__new__(other), EngineGenerator)

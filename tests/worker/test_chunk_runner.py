@@ -89,7 +89,7 @@ def local(tmp_path: Path) -> Iterator[tuple[Settings, Database, ObjectStore]]:
 def _runner(local: tuple[Settings, Database, ObjectStore], model: _HeldModel) -> ChunkRunner:
     settings, db, store = local
     leases = LeaseKeeper(db, "worker-1", settings.lease_seconds, 3600)
-    pipeline = JobPipeline(settings, db, store, model, leases, "worker-1")  # type: ignore[arg-type]
+    pipeline = JobPipeline(settings, db, store, model, leases, "worker-1")
     return ChunkRunner(pipeline, JobGroupRunner(pipeline, 8))
 
 

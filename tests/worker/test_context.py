@@ -14,12 +14,13 @@ def test_the_default_is_the_engine_in_a_child_process(tiny_llava_path: Path) -> 
     settings = Settings(model=str(tiny_llava_path), kv_num_blocks=64, log_format="json")
     assert settings.engine_process
     generator = engine_process(settings)
+    assert generator is not None
     try:
         assert isinstance(generator, EngineProcess)
         assert generator.spec.config.num_kv_blocks == 64 and generator.spec.log_format == "json"
         assert generator.spec.nice == settings.engine_nice == 5  # below the threads that feed it
     finally:
-        generator.close()  # type: ignore[union-attr]
+        generator.close()
 
 
 def test_the_hf_backend_loads_the_model_here(tiny_llava_path: Path) -> None:
@@ -39,13 +40,15 @@ def test_the_image_resize_setting_reaches_the_processor_that_prepares_jobs(tiny_
     from worker.image_resize import torch_resize_in_use, use_torch_resize
 
     generator = engine_process(Settings(model=str(tiny_llava_path), kv_num_blocks=64, image_resize="pillow"))
+    assert generator is not None
     try:
         assert not torch_resize_in_use()
     finally:
-        generator.close()  # type: ignore[union-attr]
+        generator.close()
         use_torch_resize(True)
     generator = engine_process(Settings(model=str(tiny_llava_path), kv_num_blocks=64))
+    assert generator is not None
     try:
         assert torch_resize_in_use()
     finally:
-        generator.close()  # type: ignore[union-attr]
+        generator.close()

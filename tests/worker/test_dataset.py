@@ -25,7 +25,8 @@ from common.stored_images import owned_image
 from tests.api.test_jobs_api import png_bytes
 from tests.conftest import settings_from_env
 from tests.worker.test_ingest import MODEL, Recorder, batch_jobs, get_batch, line_errors
-from worker.dataset import iter_csv_lines, normalize_path
+from worker.archive import normalize_path
+from worker.dataset import iter_csv_lines
 from worker.ingest import IngestDeps, ingest_batch
 
 RED, GREEN = png_bytes((200, 0, 0), (8, 6)), png_bytes((0, 200, 0), (6, 8))

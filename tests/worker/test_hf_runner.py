@@ -34,6 +34,7 @@ def _image(rng: random.Random) -> Image.Image:
     size = (rng.randint(16, 96), rng.randint(16, 96))
     im = Image.new("RGB", size, tuple(rng.randint(0, 255) for _ in range(3)))
     px = im.load()
+    assert px is not None
     # Speckles, so images of one colour still differ after the processor's resize and crop.
     for _ in range(40):
         px[rng.randrange(size[0]), rng.randrange(size[1])] = tuple(rng.randint(0, 255) for _ in range(3))

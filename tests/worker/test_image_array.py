@@ -50,7 +50,7 @@ def test_processors_compute_the_same_from_the_array(name: str, resize: str) -> N
     use_torch_resize(resize == "torch")
     try:
         from_pil = PROCESSORS[name]()(images=images, return_tensors="pt")
-        from_arrays = PROCESSORS[name]()(images=[for_processor(im) for im in images], return_tensors="pt")
+        from_arrays = PROCESSORS[name]()(images=[for_processor(im) for im in images], return_tensors="pt")  # type: ignore[arg-type]
     finally:
         use_torch_resize(True)
     assert set(from_arrays.keys()) == set(from_pil.keys())

@@ -290,7 +290,7 @@ def test_finalize_builds_lines_from_the_rows(settings: Settings, db: Database, s
     store.delete(result_key(by_cid["c"].id, by_cid["c"].tenant))
     reads: list[str] = []
     original_get = store.get
-    monkeypatch.setattr(store, "get", lambda key: reads.append(key) or original_get(key))
+    monkeypatch.setattr(store, "get", lambda key: reads.append(key) or original_get(key))  # type: ignore[func-returns-value]
     assert finalize_batch(batch_id, db, store) == "completed"
     assert [key for key in reads if "results/" in key] == []
     monkeypatch.undo()
@@ -408,8 +408,9 @@ def test_the_sweep_resends_an_ingestion_the_broker_lost(settings: Settings, db: 
         client = redis.Redis.from_url(broker_url)
         key = next(k for k in client.keys("ingest*") if client.type(k) == b"list")
         for raw in client.lrange(key, 0, -1):  # a worker took `taken`'s message: kombu keeps it in `unacked`
+            assert isinstance(raw, bytes)
             if repr([taken]) in raw.decode():
-                client.lrem(key, 1, raw)
+                client.lrem(key, 1, raw)  # type: ignore[arg-type]  # redis-py takes bytes too
                 client.hset("unacked", "tag-1", b"[" + raw + b', "", "ingest"]')
         swept = app.tasks[TASK_SWEEP_BATCHES].apply()
         assert swept.successful(), swept.traceback

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import func, select, text
@@ -24,7 +25,8 @@ from worker.ingest import IngestDeps, ingest_batch
 
 
 def test_cache_resolves_each_reference_once_and_repeats_refusals() -> None:
-    cache, calls = ImageCache(max_entries=2), []
+    cache: ImageCache[str] = ImageCache(max_entries=2)
+    calls: list[str] = []
 
     def ok(url: str) -> str:
         calls.append(url)
@@ -82,7 +84,7 @@ def store_image_id(data: bytes) -> str:
 
 def test_bulk_rows_read_back_as_the_orm_writes_them(backend: tuple[Settings, Database, ObjectStore]) -> None:
     settings, db, store = backend
-    body = {"temperature": 0.5, "stop": ["\u00e9t\u00e9", "\"q\"\n"]}
+    body: dict[str, Any] = {"temperature": 0.5, "stop": ["\u00e9t\u00e9", "\"q\"\n"]}
     batch_id = make_batch(db, store, (line("u1", text="caf\u00e9 \\ \"x\" \u2603", **body) + "\n").encode())
     ingest_batch(batch_id, IngestDeps(settings, db, store, Recorder()))
     (job,) = batch_jobs(db, batch_id)

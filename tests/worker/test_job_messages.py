@@ -13,6 +13,7 @@ from kombu.common import QoS
 from common.queue import make_celery, send_run_jobs
 from common.settings import Settings
 from tests import stub_worker
+from tests.redis_text import text
 from worker.prefetch_share import PrefetchShare
 
 
@@ -35,7 +36,7 @@ def test_a_worker_holds_its_concurrency_in_jobs_and_retries_only_what_asked(redi
         while client.llen("ran") < len(ids) + 3 and time.monotonic() < deadline and worker.poll() is None:
             time.sleep(0.05)
         time.sleep(0.5)
-        ran = [m.decode() for m in client.lrange("ran", 0, -1)]
+        ran = [text(m) for m in client.lrange("ran", 0, -1)]
         assert sorted(ran) == sorted([*ids, "again0", "again1", "broken0"])  # each once, three once more
         # A message taken while its predecessor's last job runs may overshoot by its own size less one.
         assert int(client.get("most_running") or 0) <= 4 + 4 - 1

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from common import jobs
 from common.db import Database
 from common.migrate import upgrade
-from common.models import Job
+from common.models import Job, utcnow
 from worker.leases import LeaseKeeper
 
-REQUEST = {"messages": [], "sampling": {}}
+REQUEST: dict[str, Any] = {"messages": [], "sampling": {}}
 
 
 def test_beat_extends_held_and_reports_cancelled(tmp_path: Path) -> None:
@@ -29,13 +30,17 @@ def test_beat_extends_held_and_reports_cancelled(tmp_path: Path) -> None:
             keeper.add(job_id)
         with db.session() as s:
             jobs.cancel(s, cancelled)
-            s.get(Job, stolen).lease_owner = "w2"  # another worker took it over after a lease expiry
+            taken = s.get(Job, stolen)
+            assert taken is not None
+            taken.lease_owner = "w2"  # another worker took it over after a lease expiry
         assert keeper.beat() == 1
         assert sorted(lost) == sorted([cancelled, stolen])
         assert keeper.held() == [kept]
         with db.session() as s:
-            lease = s.get(Job, kept).lease_until
-        assert lease is not None and (lease - jobs.utcnow()).total_seconds() > 500
+            held = s.get(Job, kept)
+            assert held is not None
+            lease = held.lease_until
+        assert lease is not None and (lease - utcnow()).total_seconds() > 500
     finally:
         keeper.close()
         db.dispose()

@@ -191,7 +191,7 @@ def test_an_interrupted_run_carries_on_where_it_stopped(tiny_llava_path: Path, t
         kept = dict(conn.execute("SELECT custom_id, finished_at FROM jobs WHERE status = 'succeeded'").fetchall())
     assert 6 <= len(kept) < 40
 
-    second = _run_cli(tiny_llava_path, state, str(source), "-o", str(output), **window)
+    second = _run_cli(tiny_llava_path, state, str(source), "-o", str(output), **window)  # type: ignore[arg-type]
     assert isinstance(second, subprocess.CompletedProcess)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resuming" in second.stderr and "40 succeeded" in _flat(second.stderr)

@@ -64,7 +64,7 @@ def _run(local: tuple[Settings, Database, ObjectStore], during: Callable[[str], 
     with db.session() as session:
         job_id = jobs.create_job(session, model=MODEL, request=request, tenant="acme", batch_id=batch_id).id
     leases = LeaseKeeper(db, "worker-1", settings.lease_seconds, 3600)
-    pipeline = JobPipeline(settings, db, store, _ActingModel(during), leases, "worker-1")  # type: ignore[arg-type]
+    pipeline = JobPipeline(settings, db, store, _ActingModel(during), leases, "worker-1")
     try:
         return job_id, pipeline.run(job_id)
     finally:
@@ -134,7 +134,7 @@ def test_a_job_whose_images_hold_too_many_pixels_fails_before_any_is_decoded(tmp
         return {**REQUEST, "messages": [{"role": "user", "content": parts}]}
 
     leases = LeaseKeeper(db, "worker-1", settings.lease_seconds, 3600)
-    pipeline = JobPipeline(settings, db, store, model, leases, "worker-1")  # type: ignore[arg-type]
+    pipeline = JobPipeline(settings, db, store, model, leases, "worker-1")
     try:
         with db.session() as session:
             over = jobs.create_job(session, model=MODEL, request=request("wide", "wide"), tenant="acme").id

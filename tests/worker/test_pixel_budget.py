@@ -20,7 +20,7 @@ def _hold_in_thread(budget: PixelBudget, pixels: int, log: list[str], name: str,
     return thread
 
 
-def _wait_for(condition, seconds: float = 5.0) -> None:  # type: ignore[no-untyped-def]
+def _wait_for(condition, seconds: float = 5.0) -> None:
     deadline = time.monotonic() + seconds
     while not condition():
         assert time.monotonic() < deadline, "timed out"

@@ -152,7 +152,7 @@ def test_writer_outlives_its_postgres_connection(db: Database) -> None:  # noqa:
         with db.session() as s:  # every other backend of this database: the writer's among them
             killed = s.execute(text("SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
                                     " WHERE datname = current_database() AND pid <> pg_backend_pid()) AS t")).scalar()
-        assert killed >= 1
+        assert killed is not None and killed >= 1
         assert w.claim(second) is not None
         assert w.finish(first, jobs.JobResult("r/1", "one", "stop", 1, 1)) is True
         assert _get(db, first).status == JobStatus.SUCCEEDED and _get(db, second).status == JobStatus.RUNNING

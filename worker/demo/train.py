@@ -16,7 +16,7 @@ bf16 autocast is used where the CPU has AMX (`lscpu`: amx_tile), fp32 elsewhere.
 HF `generate`, keeping the checkpoint that scores best there (HF format: safetensors, config, processor); at
 the end that checkpoint is scored once on the 1,000 held-out questions (another seed).
 
-Two things make a model this small learn to see in half an hour (without them it sat at chance, or below 65%):
+Two things make a model this small learn to see in a short training (without them it stayed near chance):
 the question comes before the image in the prompt, and a training-only probe asks every image token what is in
 its grid cell (see CellProbe).
 """
@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import argparse
 import math
+import operator
 import random
 import shutil
 import subprocess
 import time
+from functools import reduce
 from pathlib import Path
 from typing import Any
 
@@ -63,8 +65,8 @@ from worker.tiny_model import CHAT_TEMPLATE, TinySpec, build_tiny_llava
 
 # 96 px images in 24 px patches, one per grid cell: 16 image tokens. The white background is normalised to 0, so
 # an empty cell's patch embedding is ~0 and its position embedding is what the tower sees of it: with CLIP's
-# usual normalisation the background's embedding was ~80x the position embedding's, and after 1,000 steps the
-# image tokens still told left from right only 63% of the time.
+# usual normalisation the background's embedding drowned the position embedding, and the image tokens were slow
+# to tell left from right.
 DEMO_SPEC = TinySpec(image_size=IMAGE_SIZE, patch_size=CELL, vision_hidden=128, vision_layers=3, text_hidden=256,
                      text_layers=4, text_heads=8, text_kv_heads=4, max_positions=256, vocab_size=400,
                      text_init_range=0.02, vision_init_range=0.02, image_mean=(1.0, 1.0, 1.0),
@@ -112,10 +114,9 @@ def batch_inputs(loaded: LoadedModel, batch: list[Sample], image_first: list[boo
 def grid_position_embedding(model: Any) -> None:
     """Start the tower's position embeddings as 2-D sin/cos of each patch's row and column, at unit scale.
 
-    Learnt from their usual 0.02-scale start they had grown to 0.03 after 1,000 steps, and the image tokens then
-    told left from right 75% of the time: the decoder cannot answer "left or right?" before the tower knows
-    where each patch is. Patch i (after the class embedding, which keeps position 0) sits in row i // GRID and
-    column i % GRID.
+    Learnt from their usual small-scale start they hardly grew, and the image tokens were slow to tell left from
+    right: the decoder cannot answer "left or right?" before the tower knows where each patch is. Patch i (after the
+    class embedding, which keeps position 0) sits in row i // GRID and column i % GRID.
     """
     [table] = [m for name, m in model.model.vision_tower.named_modules() if name.endswith("position_embedding")]
     dim = table.weight.shape[1]
@@ -152,6 +153,10 @@ class CellProbe(torch.nn.Module):
     not part of the saved checkpoint.
     """
 
+    colour_ids: torch.Tensor  # buffers, registered in __init__
+    shape_ids: torch.Tensor
+    side_ids: torch.Tensor
+
     def __init__(self, hidden: int, word_ids: dict[str, list[int]], embeddings: torch.nn.Embedding) -> None:
         super().__init__()
         self.heads = torch.nn.ModuleList(torch.nn.Linear(hidden, n) for n in CELL_CLASSES)
@@ -168,7 +173,8 @@ class CellProbe(torch.nn.Module):
 
     def forward(self, features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         ce = torch.nn.functional.cross_entropy
-        loss = sum(ce(head(features).flatten(0, 1), labels[..., k].flatten()) for k, head in enumerate(self.heads))
+        loss = reduce(operator.add, (ce(head(features).flatten(0, 1), labels[..., k].flatten())
+                                     for k, head in enumerate(self.heads)))
         vocab_logits = (features @ self.embeddings.weight.T).flatten(0, 1)
         occupied = labels[..., 0].flatten() > 0
         sides = torch.where(occupied, self.side_ids[labels[..., 4].flatten()], -100)

@@ -1,8 +1,8 @@
 """Keep freed memory in the process instead of handing it back to the OS after every step.
 
 glibc serves large blocks (the per-step K/V gathers, SDPA workspaces: tens of MB) with mmap and unmaps them on
-free, so every step page-faults them in again: measured here, a 67 MB gather took 35 ms that way and 5 ms from
-reused memory. Raising the mmap and trim thresholds makes glibc reuse the heap. Process-wide, so it is called
+free, so every step page-faults them in again, which costs a gather far more than its copy from reused memory.
+Raising the mmap and trim thresholds makes glibc reuse the heap. Process-wide, so it is called
 once by whoever owns the process's model (the engine; benchmarks before their baselines too, so all compare
 alike). A no-op where the C library is not glibc.
 """

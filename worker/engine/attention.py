@@ -16,16 +16,20 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+if TYPE_CHECKING:
+    from worker.engine.families import HFModule
+
 ATTN_IMPLEMENTATION = "vlmq_paged"
 # Prompts up to this long (new tokens for fresh ones, context + new tokens for the others) are grouped by
-# length (powers of two) into padded SDPA calls: per-prompt calls cost ~0.3 ms each in dispatch alone, while
-# padding wastes at most 4x the attention FLOPs of short prompts. Longer prompts, where those FLOPs matter,
-# keep a call of their own.
+# length (powers of two) into padded SDPA calls: for short prompts a call's dispatch costs more than its
+# FLOPs, and padding to a power of two bounds the FLOPs wasted. Longer prompts, where those FLOPs matter, keep
+# a call of their own.
 GROUP_MAX_LEN = 256
 
 
@@ -169,7 +173,7 @@ def _real_rows(valid: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def paged_attention(
-    module: torch.nn.Module,
+    module: HFModule,
     query: torch.Tensor,   # [1, heads, T, dim], RoPE applied
     key: torch.Tensor,     # [1, kv_heads, T, dim]
     value: torch.Tensor,
@@ -182,7 +186,7 @@ def paged_attention(
     if attn_metadata is None:
         raise RuntimeError("paged attention needs attn_metadata; the model must be driven by the vlmq engine")
     meta = attn_metadata
-    k_cache, v_cache = meta.kv_caches[module.layer_idx]  # type: ignore[index]
+    k_cache, v_cache = meta.kv_caches[module.layer_idx]
     kv_heads, dim = k_cache.shape[2], k_cache.shape[3]
     k_cache.view(-1, kv_heads, dim).index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1).to(k_cache.dtype))
     v_cache.view(-1, kv_heads, dim).index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
@@ -191,8 +195,8 @@ def paged_attention(
     heads = q.shape[0]
     # Gathers and scatters go by token, over [T, heads, dim] views (the projections' own layout, before HF's
     # transpose): whole rows of heads * dim copied by index_select, where indexing dimension 1 of [heads, T,
-    # dim] copied element by element (a group of 66 prompts of 63 tokens: 1.1 ms -> 0.19 ms a gather on an
-    # AMD EPYC), and SDPA's flash kernel ran 1.35x faster on queries and keys laid out by token.
+    # dim] copied element by element, and SDPA's flash kernel runs faster on queries and keys laid out by token
+    # (bench/engine.py).
     q_by_token, k_by_token, v_by_token = q.transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
     out = torch.empty((q.shape[1], heads, q.shape[2]), dtype=query.dtype, device=query.device)
     gqa = heads != kv_heads

@@ -11,6 +11,7 @@ import signal
 import sys
 import threading
 from concurrent.futures import Future
+from functools import partial
 from multiprocessing.connection import Connection
 
 from worker.engine import vision_batches
@@ -52,9 +53,8 @@ def run_engine_child(conn: Connection) -> None:
     spec: EngineSpec = channel.recv()[1]
     configure_logging(spec.log_format, spec.log_level)
     if spec.nice:
-        # Below the threads that feed it: side by side on 2 shared CPUs (bench/compare.py, service, 256 small
-        # jobs, 5 alternating runs), nice 5 took 11.69 s instead of 12.94 (medians) on image jobs, and
-        # 6.01 instead of 6.30 on text jobs.
+        # Below the threads that feed it: on shared CPUs the engine is better off waiting for its next inputs
+        # than taking the CPU they are prepared with (bench/compare.py, side by side, image and text jobs).
         # Linux keeps a niceness per thread: the threads torch started on import are moved too, and those
         # started later inherit it from these.
         niceness = min(os.nice(0) + spec.nice, 19)
@@ -109,7 +109,7 @@ def run_engine_child(conn: Connection) -> None:
             if message[0] == "add":
                 prepared: PreparedInput = message[1]
                 request_id = prepared.request.request_id
-                service.submit(prepared).add_done_callback(lambda f, rid=request_id: reply(rid, f))
+                service.submit(prepared).add_done_callback(partial(reply, request_id))
             elif message[0] == "abort":
                 service.abort(message[1])
             elif message[0] == "close":

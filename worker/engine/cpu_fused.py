@@ -17,6 +17,8 @@ from types import ModuleType
 import torch
 from torch import nn
 
+from worker.engine.families import HFModule
+
 log = logging.getLogger(__name__)
 
 SILU_CLASSES = {"SiLU", "SiLUActivation"}  # torch's and transformers' (ACT2FN["silu"])
@@ -25,10 +27,11 @@ SILU_CLASSES = {"SiLU", "SiLUActivation"}  # torch's and transformers' (ACT2FN["
 class FusedRMSNorm(nn.Module):
     """In place of an HF RMSNorm: the same weight (so ties and dtype checks hold), the one-pass kernel."""
 
-    def __init__(self, norm: nn.Module, kernels: ModuleType) -> None:
+    def __init__(self, norm: HFModule, kernels: ModuleType) -> None:
         super().__init__()
         self.weight = norm.weight
-        self.variance_epsilon = float(norm.variance_epsilon)  # type: ignore[arg-type]
+        self.variance_epsilon = float(norm.variance_epsilon)
+        self.width: int = norm.weight.shape[0]
         self._original = (norm,)  # a tuple, so that the module is not registered (and visited) twice
         self._kernels = kernels
 
@@ -45,9 +48,10 @@ class FusedRMSNorm(nn.Module):
 class FusedGatedMLP(nn.Module):
     """In place of a Llama-style MLP, down(silu(gate(x)) * up(x)), with the activation and product fused."""
 
-    def __init__(self, mlp: nn.Module, kernels: ModuleType) -> None:
+    def __init__(self, mlp: HFModule, kernels: ModuleType) -> None:
         super().__init__()
         self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        self.width: int = next(mlp.gate_proj.parameters()).shape[-1]
         self._kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -114,19 +118,17 @@ def fuse_elementwise(model: nn.Module, kernels: ModuleType | None, skip: Iterabl
             continue
         for name, child in parent.named_children():
             if is_rms_norm(child):
-                fused: nn.Module = FusedRMSNorm(child, kernels)
-                width = child.weight.shape[0]
+                fused: FusedRMSNorm | FusedGatedMLP = FusedRMSNorm(child, kernels)
             elif is_gated_silu_mlp(child):
                 fused = FusedGatedMLP(child, kernels)
-                width = next(child.gate_proj.parameters()).shape[-1]
             else:
                 continue
-            if _same_output(child, fused, width):
+            if _same_output(child, fused, fused.width):
                 swaps.append((parent, name, fused))
             else:
                 refused.add(type(child).__name__)
-    for parent, name, fused in swaps:
-        setattr(parent, name, fused)
+    for parent, name, module in swaps:
+        setattr(parent, name, module)
     if refused:
         log.info("kept HF's forward for %s: the one-pass kernel did not reproduce it", ", ".join(sorted(refused)))
     return len(swaps)

@@ -1,12 +1,12 @@
 """C++ kernels of the CPU backend, compiled with torch.utils.cpp_extension (g++ and ninja) by a process of
 their own, in the background, the first time a process on the machine wants them (see kernels).
 
-Decode attention straight from the paged pool (csrc/paged_decode_attention.cpp) is ~2x the gather + SDPA
-path on the bench's shapes (bench/engine.py); RMSNorm, SiLU-and-multiply and the rotary embedding in one pass
-each (csrc/fused_elementwise.cpp, used by cpu_fused.py and cpu_rope.py). One extension holds them all
-(csrc/bindings.cpp), so ninja compiles the sources side by side: ~1 min once per machine and source on 2 CPUs
-(66 s, where building the two kernels as extensions of their own took 55 + 60 s one after the other); the build
-lands in torch's extension cache (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions). Where it cannot
+Decode attention straight from the paged pool (csrc/paged_decode_attention.cpp) skips the gather that the
+gather + SDPA path copies every key and value through (bench/decode_kernel.py); RMSNorm, SiLU-and-multiply and
+the rotary embedding run in one pass each (csrc/fused_elementwise.cpp, used by cpu_fused.py and cpu_rope.py).
+One extension holds them all (csrc/bindings.cpp), so ninja compiles the sources side by side, once per machine
+and source, instead of one extension's build after the other's; the build lands in torch's extension cache
+(TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions). Where it cannot
 be built (no compiler), or with EngineConfig.cpu_attention_kernel / cpu_fused_elementwise off
 (VLMQ_CPU_FAST_PATHS=false), the engine keeps the pure-torch path: same results to float rounding, only slower.
 """
@@ -38,9 +38,9 @@ PREFIX = "vlmq_cpu_kernels"
 PagedDecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float],
                                 torch.Tensor]
 
-# Reassociation lets the softmax's sums and its exp (exp_nonpositive) vectorise: 1.12-1.15x the kernel built
-# without it, on the bench's shapes. Not -ffast-math: that also assumes no infinities or NaNs, and linking with
-# it sets flush-to-zero for the whole process, changing every other op's numbers.
+# Reassociation lets the softmax's sums and its exp (exp_nonpositive) vectorise, which the kernel built without it
+# cannot (bench/decode_kernel.py compares the two). Not -ffast-math: that also assumes no infinities or NaNs, and
+# linking with it sets flush-to-zero for the whole process, changing every other op's numbers.
 REASSOCIATION = ["-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", *REASSOCIATION]
 
@@ -68,7 +68,7 @@ def _cpu_signature() -> str:
 def paged_decode_attention(wait: bool = False) -> PagedDecodeAttention | None:
     """The compiled decode kernel, or None where the extension is not built yet or cannot be (see kernels)."""
     module = kernels(wait)
-    return module.paged_decode_attention if module is not None else None  # type: ignore[no-any-return]
+    return module.paged_decode_attention if module is not None else None
 
 
 def fused_elementwise(wait: bool = False) -> ModuleType | None:
@@ -85,7 +85,7 @@ def kernels(wait: bool = False) -> ModuleType | None:
     with _lock:
         if PREFIX not in _loaded:
             _loaded[PREFIX] = _load(wait)
-        return _loaded[PREFIX]  # type: ignore[no-any-return]
+        return _loaded[PREFIX]
 
 
 def _load(wait: bool) -> ModuleType | None:
@@ -163,7 +163,7 @@ def _start_background_build(build_dir: Path) -> None:
 def compile_kernel(name: str, cflags: list[str]) -> PagedDecodeAttention:
     """The decode kernel of the extension compiled and loaded as `name` with these compiler flags
     (bench/decode_kernel.py builds a variant beside the engine's)."""
-    return compile_module(name, cflags).paged_decode_attention  # type: ignore[no-any-return]
+    return compile_module(name, cflags).paged_decode_attention
 
 
 def compile_module(name: str, cflags: list[str]) -> ModuleType:
@@ -175,7 +175,7 @@ def compile_module(name: str, cflags: list[str]) -> ModuleType:
         os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
     except ImportError:
         pass
-    return cpp_extension.load(name=name, sources=[str(p) for p in SOURCES],  # type: ignore[no-any-return]
+    return cpp_extension.load(name=name, sources=[str(p) for p in SOURCES],
                               extra_cflags=cflags, extra_ldflags=["-fopenmp"], verbose=False)
 
 

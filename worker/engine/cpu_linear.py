@@ -2,8 +2,8 @@
 
 torch's F.linear on CPU hands each call to a BLAS sgemm that re-lays the weight out for its own blocking on
 every call. oneDNN can keep the weight in its blocked layout once (`_reorder_linear_weight`) and multiply
-against that directly (`_linear_pointwise`), as torch.compile's CPU freezing pass does. On the bench's small
-model this took 10% (image jobs) to 26% (text jobs) off the engine's time (bench/engine.py), with outputs
+against that directly (`_linear_pointwise`), as torch.compile's CPU freezing pass does: the re-layout leaves
+every call, which shortens the engine's steps on text and image jobs alike (bench/engine.py), with outputs
 equal to float rounding. fp32 weights only: elsewhere oneDNN's speed depends on the CPU's bf16/fp16 support.
 """
 

@@ -1,13 +1,13 @@
 """Rotary position embedding in one pass, for the Llama-style attention modules of a CPU model.
 
-HF rotates q and k in the attention module's forward through a module-level function, ten tensor ops (two
-products, a negation, a concatenation and a sum for each), which took ~11% of the engine's op time on 256 small
-text jobs in fp32 (torch profiler). The C++ kernel (csrc/fused_elementwise.cpp) reads each row once, in HF's
-order and roundings: its results are bit-identical to HF's in fp32 and bf16. As the rotation sits inside the
-forward rather than in a module of its own, the forward itself is replaced, and only where that is safe: for the
-attention classes whose forward this one restates (Llama's, Qwen2's, Mistral's: project, view, rotate, attend,
-project back), and only where it gives the module's own output on a probe, run through SDPA. Anything the kernel
-does not take (a batch of several rows, mixed dtypes, another device) goes through the module's own
+HF rotates q and k in the attention module's forward through a module-level function, ten tensor ops (two products,
+a negation, a concatenation and a sum for each), each a pass over q or k and a dispatch of its own: a visible share
+of the engine's op time on small text jobs (torch profiler). The C++ kernel (csrc/fused_elementwise.cpp) reads each
+row once, in HF's order and roundings: its results are bit-identical to HF's in fp32 and bf16. As the rotation sits
+inside the forward rather than in a module of its own, the forward itself is replaced, and only where that is safe:
+for the attention classes whose forward this one restates (Llama's, Qwen2's, Mistral's: project, view, rotate,
+attend, project back), and only where it gives the module's own output on a probe, run through SDPA. Anything the
+kernel does not take (a batch of several rows, mixed dtypes, another device) goes through the module's own
 `apply_rotary_pos_emb`.
 """
 
@@ -25,6 +25,7 @@ from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from worker.engine.cpu_fused import agrees_at_scale
+from worker.engine.families import HFModule
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ class RotaryFusedForward:
     """Stands in for a Llama-style attention module's `forward` (set on the instance, so `module(...)` calls
     it): the module's own steps, with q and k rotated by the one-pass kernel."""
 
-    def __init__(self, module: nn.Module, kernels: ModuleType) -> None:
+    def __init__(self, module: HFModule, kernels: ModuleType) -> None:
         self.module = module
         self._kernels = kernels
         modeling = sys.modules[type(module).__module__]
@@ -96,7 +97,7 @@ def is_rope_attention(module: nn.Module) -> bool:
             and isinstance(getattr(module, "head_dim", None), int))
 
 
-def _same_output(module: nn.Module, fused: RotaryFusedForward) -> bool:
+def _same_output(module: HFModule, fused: RotaryFusedForward) -> bool:
     """The module's forward and the stand-in on a probe of 7 tokens, both through SDPA (the engine's paged
     attention needs a step's metadata), with random rotations: equal to the last bit, or within 1e-5 of the
     output's scale in fp32 (2e-2 in bf16) should the attention's own arithmetic differ."""

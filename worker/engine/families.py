@@ -10,10 +10,15 @@ checked against its HF forward and `generate` (tests/worker/engine/test_families
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 from torch import nn
+
+# A transformers model or module, used through the names its family gives its parts (model.language_model,
+# config.vision_config, q_proj, head_dim): torch types every attribute of an nn.Module as Tensor | Module, which
+# says nothing here, so such objects are typed for what they are to this code, duck-typed.
+HFModule: TypeAlias = Any
 
 Ids = Sequence[int] | torch.Tensor
 
@@ -55,14 +60,14 @@ class ModelFamily:
 
     # ---------------------------------------------------------------- modules
 
-    def language_model(self, model: nn.Module) -> nn.Module:
+    def language_model(self, model: HFModule) -> nn.Module:
         """The decoder stack: call it with inputs_embeds, position_ids, attention_mask=None, use_cache=False."""
         return model.model.language_model
 
-    def lm_head(self, model: nn.Module) -> nn.Module:
+    def lm_head(self, model: HFModule) -> nn.Module:
         return model.lm_head
 
-    def embed_tokens(self, model: nn.Module) -> nn.Module:
+    def embed_tokens(self, model: HFModule) -> nn.Module:
         return model.get_input_embeddings()
 
     # ---------------------------------------------------------------- images
@@ -95,7 +100,7 @@ class ModelFamily:
         return [{"pixel_values": pixel_values[i : i + 1]} for i in range(num_images)]
 
     @torch.no_grad()
-    def encode_images(self, model: nn.Module, inputs: Sequence[Mapping[str, torch.Tensor]]) -> list[torch.Tensor]:
+    def encode_images(self, model: HFModule, inputs: Sequence[Mapping[str, torch.Tensor]]) -> list[torch.Tensor]:
         """Embeddings `[num_placeholders, text_hidden]` per input, one vision forward per group of inputs whose
         tensors can be concatenated (same trailing shape), whatever requests they come from."""
         groups: dict[tuple, list[int]] = {}
@@ -284,7 +289,7 @@ def _unsupported_attention(text_config: object) -> str | None:
     return None
 
 
-def get_family(model: nn.Module) -> ModelFamily:
+def get_family(model: HFModule) -> ModelFamily:
     """The family adapter of a loaded HF VLM, by its config's model_type."""
     config = model.config
     model_type = getattr(config, "model_type", "")

@@ -9,10 +9,9 @@ metadata, Python lists that change every step, so each layer runs as two compile
 its attention call, with the packed batch's length dynamic (layers that differ only in weights share them).
 The compiled layers' linears stay plain nn.Linear: inductor has no lowering for oneDNN's packed op.
 
-On 256 small-model jobs (bench/engine_compile.py, Intel Xeon with AMX, 2 CPUs, medians of 4 alternating
-rounds): fp32 1.08-1.09x the eager engine's throughput with the same tokens, bf16 1.12-1.14x; tiny models,
-bound by Python per step, within noise. Compiling took ~6 s of the first steps from inductor's on-disk cache,
-~23 s without it (docs/benchmarks.md, Settings measured).
+It pays where a step's time is the layers' arithmetic (the small model, more so in bf16), not on tiny models,
+whose steps are bound by Python; compiling costs the first steps some seconds, less from inductor's on-disk
+cache (bench/engine_compile.py, docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from worker.engine import vision_batches
 from worker.engine.attention import ATTN_IMPLEMENTATION, build_metadata
 from worker.engine.config import EngineConfig
 from worker.engine.encoder_cache import EncoderCache
-from worker.engine.families import ModelFamily, get_family
+from worker.engine.families import HFModule, ModelFamily, get_family
 from worker.engine.request import ImageItem
 from worker.engine.sampler import Sampler
 from worker.engine.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -63,7 +63,7 @@ def without_decoded_images(prepared: PreparedInput) -> PreparedInput:
     return replace(prepared, request=replace(prepared.request, images=[]))
 
 
-def _kv_geometry(model: torch.nn.Module) -> tuple[int, int, int]:
+def _kv_geometry(model: HFModule) -> tuple[int, int, int]:
     text = model.config.get_text_config()
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
@@ -82,7 +82,7 @@ def _available_bytes(device: torch.device) -> int:
     return 4 << 30
 
 
-def num_kv_blocks_for(model: torch.nn.Module, config: EngineConfig, device: torch.device,
+def num_kv_blocks_for(model: HFModule, config: EngineConfig, device: torch.device,
                       max_model_len: int | None) -> int:
     """The configured pool, or a fraction of free memory, never more than max_num_seqs full sequences need."""
     if config.num_kv_blocks is not None:
@@ -215,6 +215,7 @@ class ModelRunner:
         for s in scheduled:
             for image in s.request.images_in(s.start, s.start + s.num_tokens):
                 rows = self.encoder_cache.get(image.content_hash)
+                assert isinstance(rows, torch.Tensor)  # the cache holds what encode_images gave this runner
                 first = offset + image.offset - s.start
                 embeds[first : first + image.num_tokens] = rows.to(embeds.dtype)
             offset += s.num_tokens

@@ -30,6 +30,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Literal
 
 from worker.engine import vision_batches
 from worker.engine.channel import Channel
@@ -62,7 +63,9 @@ class EngineDied(RuntimeError):
 
 
 class EngineProcess:
-    """A `Generator` whose engine runs in a child process (see the module docstring)."""
+    """An `EngineGenerator` (worker/batcher.py) whose engine runs in a child process (see the module docstring)."""
+
+    takes_engine_inputs: Literal[True] = True
 
     def __init__(self, spec: EngineSpec, front: LoadedModel | None = None, start_timeout: float | None = None) -> None:
         """`front`: the model as `load_model(weights=False)` gives it, if the caller has it already."""
@@ -166,11 +169,11 @@ class EngineProcess:
             channel.close()
             raise
         log.info("engine process %s ready: %s", process.pid, info)
-        self.ready_info = dict(info)  # type: ignore[call-overload]
+        self.ready_info = dict(info)
         self._started_at = time.monotonic()
         return process, channel
 
-    def _await_ready(self, process: subprocess.Popen[bytes], channel: Channel) -> object:
+    def _await_ready(self, process: subprocess.Popen[bytes], channel: Channel) -> dict[str, object]:
         deadline = None if self._start_timeout is None else time.monotonic() + self._start_timeout
         while not channel.conn.poll(1.0):
             if process.poll() is not None or (deadline is not None and time.monotonic() > deadline):

@@ -11,8 +11,8 @@ its batch-mates a serial re-run, not their attempts.
 Linger: while jobs trickle in (each worker thread submits as soon as its job is claimed and prepared), an
 engine that steps on whatever has arrived runs many small steps, each costing its fixed per-step work. So
 while a request arrived within `step_linger_seconds` and the batch has room, the loop waits up to that long
-for the next before stepping. Measured on 2 CPU cores, 256 jobs posted to the service: on the tiny model 30-85%
-fewer steps and 1.1-1.3x the throughput, on the compute-bound small one no change (docs/benchmarks.md).
+for the next before stepping: fewer, fuller steps where the per-step work dominates (a tiny model), and no
+change where the model's compute does (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future
+from typing import Literal, cast
 
 from worker.engine.engine import Engine
 from worker.engine.model_runner import PreparedInput
@@ -32,6 +33,10 @@ log = logging.getLogger(__name__)
 
 
 class EngineService:
+    """An `EngineGenerator` (worker/batcher.py) whose engine runs in this process."""
+
+    takes_engine_inputs: Literal[True] = True
+
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
@@ -85,7 +90,7 @@ class EngineService:
                 return False
             if command == "add":
                 self._last_arrival = time.monotonic()
-                prepared, future = payload  # type: ignore[misc]
+                prepared, future = cast(tuple[PreparedInput, Future[GenerationResult]], payload)
                 if future.set_running_or_notify_cancel():
                     if self._isolating is not None or self._suspects:
                         self._held.append((prepared, future))

@@ -71,6 +71,7 @@ def test_prompts_continuing_a_context_are_grouped_by_total_length() -> None:
     meta = build_metadata(caches, block, seqs, torch.device("cpu"))
     assert len(meta.context_groups) == 1 and not meta.prefill_groups
     group = meta.context_groups[0]
+    assert group.blocks is not None and group.mask is not None
     assert group.index.tolist() == [[0, 1, 2, 2, 2, 2], [3, 4, 5, 6, 7, 8]]
     assert group.blocks.tolist() == [[0, 1, 0, 0], [2, 3, 4, 5]]
     assert group.valid.tolist() == [0, 1, 2, 6, 7, 8, 9, 10, 11]

@@ -30,7 +30,7 @@ def kernels() -> ModuleType:
 def _norm(cls: type[nn.Module], width: int, dtype: torch.dtype, seed: int) -> nn.Module:
     norm = cls(width, eps=1e-5)
     with torch.no_grad():
-        norm.weight.copy_(torch.randn(width, generator=torch.Generator().manual_seed(seed)))
+        norm.weight.copy_(torch.randn(width, generator=torch.Generator().manual_seed(seed)))  # type: ignore[operator]
     return norm.to(dtype)
 
 
@@ -129,7 +129,7 @@ def test_fuse_swaps_only_what_it_reproduces(kernels: ModuleType) -> None:
     assert fuse_elementwise(model, kernels, skip=[model["compiled"]]) == 2
     assert isinstance(model["norm"], FusedRMSNorm) and isinstance(model["mlp"], FusedGatedMLP)
     assert type(model["gemma_norm"]) is GemmaStyleRMSNorm and type(model["up_gated"]) is UpGatedMLP
-    assert type(model["gelu_mlp"]) is LlamaMLP and type(model["compiled"]["norm"]) is LlamaRMSNorm
+    assert type(model["gelu_mlp"]) is LlamaMLP and type(model["compiled"]["norm"]) is LlamaRMSNorm  # type: ignore[index]
     assert {id(p) for p in model.parameters()} == params  # the same weights, none copied or registered twice
     for name, want in before.items():
         torch.testing.assert_close(model[name](x), want, atol=1e-5, rtol=1e-5)

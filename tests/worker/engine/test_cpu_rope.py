@@ -107,7 +107,7 @@ def test_fuse_gives_the_kernel_only_where_it_reproduces_the_module(kernels: Modu
     assert fuse_rotary(model, kernels, skip=[model["compiled"]]) == 3
     for name in ("llama", "qwen2", "mistral"):
         assert isinstance(vars(model[name]).get("forward"), RotaryFusedForward), name
-    assert "forward" not in vars(model["interleaved"]) and "forward" not in vars(model["compiled"]["llama"])
+    assert "forward" not in vars(model["interleaved"]) and "forward" not in vars(model["compiled"]["llama"])  # type: ignore[index]
     for name, want in before.items():  # the module's output unchanged, to the last bit
         assert torch.equal(_run(model[name], 1, dtype), want), name
     # A batch of several rows is not the engine's packed one: HF's rotation, the same output.

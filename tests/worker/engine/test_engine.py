@@ -34,6 +34,7 @@ def _image(rng: random.Random) -> Image.Image:
     size = (rng.randint(24, 120), rng.randint(24, 120))
     im = Image.new("RGB", size, tuple(rng.randint(0, 255) for _ in range(3)))
     px = im.load()
+    assert px is not None
     for _ in range(50):
         px[rng.randrange(size[0]), rng.randrange(size[1])] = tuple(rng.randint(0, 255) for _ in range(3))
     return im

@@ -114,7 +114,7 @@ def test_encode_images_is_one_vision_forward_across_requests(
               for inp in family.image_inputs(enc, _num_images(parts))]
     forwards = []
     real = loaded.model.get_image_features
-    monkeypatch.setattr(loaded.model, "get_image_features", lambda **kw: forwards.append(kw) or real(**kw))
+    monkeypatch.setattr(loaded.model, "get_image_features", lambda **kw: forwards.append(kw) or real(**kw))  # type: ignore[func-returns-value]
     with torch.inference_mode():
         batched = family.encode_images(loaded.model, inputs)
         monkeypatch.undo()
@@ -293,4 +293,4 @@ def test_internvl_processor_reloads_with_its_image_seq_length(models: Callable[[
 def test_get_family_rejects_unknown_models() -> None:
     fake = SimpleNamespace(config=SimpleNamespace(model_type="gemma3", image_token_id=7))
     with pytest.raises(ValueError, match="gemma3"):
-        get_family(fake)  # type: ignore[arg-type]
+        get_family(fake)

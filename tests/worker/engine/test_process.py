@@ -29,7 +29,7 @@ def spec_for(path: Path, config: EngineConfig = CONFIG, device: str = "cpu") -> 
 
 
 @pytest.fixture(scope="module")
-def llava_process(tiny_llava_path: Path):  # type: ignore[no-untyped-def]
+def llava_process(tiny_llava_path: Path):
     process = EngineProcess(spec_for(tiny_llava_path))
     yield process
     process.close()
@@ -106,7 +106,7 @@ def test_a_killed_child_fails_its_requests_and_is_replaced(tiny_llava_path: Path
         long = replace(long, sampling=replace(long.sampling, max_tokens=100_000))
         held = process.submit(process.prepare(long))
         time.sleep(0.3)
-        os.kill(first_pid, signal.SIGKILL)  # type: ignore[arg-type]
+        os.kill(first_pid, signal.SIGKILL)
         with pytest.raises(EngineDied, match="-9"):
             held.result(timeout=30)
         # Submitted while the new child starts: waits for it instead of failing.
@@ -121,8 +121,8 @@ def test_a_killed_child_fails_its_requests_and_is_replaced(tiny_llava_path: Path
 def test_the_child_leaves_sigterm_and_sigint_to_its_parent(llava_process: EngineProcess) -> None:
     """A group-wide SIGTERM (systemd, Ctrl-C) must not kill the engine under a worker's warm shutdown."""
     pid = llava_process.pid
-    os.kill(pid, signal.SIGTERM)  # type: ignore[arg-type]
-    os.kill(pid, signal.SIGINT)  # type: ignore[arg-type]
+    os.kill(pid, signal.SIGTERM)
+    os.kill(pid, signal.SIGINT)
     result = llava_process.submit(llava_process.prepare(make_requests(1, seed=49)[0])).result(timeout=60)
     assert result.completion_tokens >= 1 and llava_process.pid == pid and llava_process.num_restarts == 0
 

@@ -59,7 +59,7 @@ class Harness:
         return out
 
     def run(self, max_steps: int = 1000) -> list[SchedulerOutput]:
-        outputs = []
+        outputs: list[SchedulerOutput] = []
         while self.sched.has_unfinished():
             assert len(outputs) < max_steps, "the scheduler stopped making progress"
             outputs.append(self.step())

@@ -18,7 +18,7 @@ from worker.model_loader import load_model
 
 
 @pytest.fixture
-def service(tiny_llava_path: Path):  # type: ignore[no-untyped-def]
+def service(tiny_llava_path: Path):
     svc = EngineService(Engine(load_model(str(tiny_llava_path)), EngineConfig(num_kv_blocks=256, block_size=8)))
     yield svc
     svc.close()
@@ -67,7 +67,7 @@ def test_a_poison_request_fails_alone_and_its_batch_mates_finish_unchanged(tiny_
     engine = Engine(load_model(str(tiny_llava_path)), EngineConfig(num_kv_blocks=256, block_size=8))
     execute = engine.runner.execute
 
-    def faulty_execute(out):  # type: ignore[no-untyped-def]
+    def faulty_execute(out):
         if any(s.request.request_id == poison for s in out.scheduled):
             raise FloatingPointError("a kernel fault on this input")
         return execute(out)
