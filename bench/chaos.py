@@ -1,6 +1,7 @@
-"""Chaos: jobs through the real stack while workers are SIGKILLed at random, Redis restarts empty once and
-Postgres crash-restarts once. Prints lost, stuck and duplicated counts (all must be 0) and the wall-time
-overhead against an undisturbed run of the same number of jobs on the same stack, measured side by side.
+"""Chaos: jobs through the real stack (half of them the rows of one Batch API file, half single jobs) while
+workers are SIGKILLed at random, Redis restarts empty once and Postgres crash-restarts once. Prints lost,
+stuck and duplicated counts (all must be 0) and the wall-time overhead against an undisturbed run of the same
+number of jobs on the same stack, measured side by side.
 
     .venv/bin/python bench/chaos.py --jobs 1000 --kills 6          # the full run
     .venv/bin/python bench/chaos.py --jobs 200 --kills 2 --check   # CI's (tests/test_chaos.py): exit 1 if unclean
@@ -99,13 +100,17 @@ class Supervisor:
 
 
 def one_run(stack: FaultStack, name: str, n_jobs: int, n_workers: int, kills: int, restarts: bool, seed: int,
-            timeout: float) -> RunResult:
+            timeout: float, batch_share: float = 0.0) -> RunResult:
     rng = random.Random(seed)
     restarts_before = stack.maintenance_restarts
     supervisor = Supervisor(stack, n_workers).start()
     try:
         started = time.monotonic()
-        job_ids = stack.submit((f"{name} {i}: say something about item {i}" for i in range(n_jobs)), max_tokens=16)
+        prompts = [f"{name} {i}: say something about item {i}" for i in range(n_jobs)]
+        # Batch rows travel many to a message and run as chunks, so kills land mid-chunk; single jobs one each.
+        n_rows = round(n_jobs * batch_share)
+        job_ids = stack.submit_batch(prompts[:n_rows], max_tokens=16)[1] if n_rows else []
+        job_ids += stack.submit(prompts[n_rows:], max_tokens=16)
         # Faults fire as the run passes fractions of its jobs: kills at random points, Redis at a third,
         # Postgres at two thirds.
         plan = sorted([(rng.uniform(0.15, 0.9), "kill") for _ in range(kills)]
@@ -156,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true",
                         help="exit 1 unless every job ended once, cleanly, and no process exited by itself")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--batch-share", type=float, default=0.5,
+                        help="the share of the jobs sent as the rows of one Batch API file; the rest by POST /v1/jobs")
     args = parser.parse_args(argv)
 
     from worker.tiny_model import build_tiny_llava
@@ -172,8 +179,10 @@ def main(argv: list[str] | None = None) -> int:
                            heartbeat_seconds=1, max_attempts=5, retry_backoff_seconds=0.5, sweep_interval_seconds=1,
                            republish_grace_seconds=2, device="cpu", dtype="float32", max_num_seqs=16).start()
         results = [
-            one_run(stack, "undisturbed", args.jobs, args.workers, 0, False, args.seed, args.timeout),
-            one_run(stack, "chaos", args.jobs, args.workers, args.kills, True, args.seed, args.timeout),
+            one_run(stack, "undisturbed", args.jobs, args.workers, 0, False, args.seed, args.timeout,
+                    args.batch_share),
+            one_run(stack, "chaos", args.jobs, args.workers, args.kills, True, args.seed, args.timeout,
+                    args.batch_share),
         ]
     finally:
         if stack is not None:

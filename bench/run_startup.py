@@ -32,8 +32,11 @@ LOAD = ("import torch, transformers\nfrom worker.model_loader import load_model\
 
 
 def _timed(command: list[str], env: dict[str, str]) -> float:
+    """`command` in this tree, or in the baseline's (`python -m` takes its modules from the working folder)."""
     started = time.perf_counter()
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    env = dict(env)
+    tree = env.pop("VLMQ_BASELINE_TREE", str(ROOT))
+    done = subprocess.run(command, cwd=tree, env={**env, "PYTHONPATH": tree}, capture_output=True, text=True)
     seconds = time.perf_counter() - started
     if done.returncode != 0:
         raise RuntimeError(f"{command} failed:\n{done.stderr[-3000:]}")
@@ -44,6 +47,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lines", default="1,64", help="comma-separated file sizes, in lines")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--baseline-tree", type=Path, default=None,
+                        help="another checkout (e.g. a git worktree of an older commit): its `vlmq run` runs "
+                             "beside this tree's, as it picks by default")
     args = parser.parse_args()
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     print(f"CPU: {cpu_name()}; {os.cpu_count()} CPUs")
@@ -64,7 +70,11 @@ def main() -> None:
             for label, engine_process in (("auto", None), ("engine here", "false"), ("engine child", "true")):
                 run_env = dict(env) if engine_process is None else {**env, "VLMQ_ENGINE_PROCESS": engine_process}
                 variants[f"vlmq run, {n} lines, {label}"] = (
-                    [str(Path(PYTHON).with_name("vlmq")), "run", str(path), "-o", str(work / "out.jsonl")], run_env)
+                    [PYTHON, "-m", "common.cli", "run", str(path), "-o", str(work / "out.jsonl")], run_env)
+            if args.baseline_tree is not None:
+                variants[f"baseline vlmq run, {n} lines"] = (
+                    [PYTHON, "-m", "common.cli", "run", str(path), "-o", str(work / "out.jsonl")],
+                    {**env, "VLMQ_BASELINE_TREE": str(args.baseline_tree.resolve())})
         walls: dict[str, list[float]] = {label: [] for label in variants}
         for rep in range(args.repeats):
             for label, (command, run_env) in variants.items():

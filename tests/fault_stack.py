@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import json
 import os
 import random
 import shutil
@@ -380,6 +381,40 @@ class FaultStack:
                 assert response.status_code == 202, response.text
                 ids.append(response.json()["id"])
         return ids
+
+    def submit_batch(self, prompts: Iterable[str], max_tokens: int = 24) -> tuple[str, list[str]]:
+        """The prompts as the rows of one OpenAI Batch API file: (the batch's id, its jobs' ids, in line order)
+        once ingestion has written them all."""
+        from common.models import Batch, Job
+
+        lines = [json.dumps({"custom_id": f"row-{i}", "method": "POST", "url": "/v1/chat/completions",
+                             "body": {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens}})
+                 for i, prompt in enumerate(prompts)]
+        with self.api.client() as client:
+            upload = client.post("/v1/files", data={"purpose": "batch"},
+                                 files={"file": ("rows.jsonl", ("\n".join(lines) + "\n").encode())})
+            assert upload.status_code == 200, upload.text
+            created = client.post("/v1/batches", json={"input_file_id": upload.json()["id"],
+                                                       "endpoint": "/v1/chat/completions", "completion_window": "24h"})
+            assert created.status_code == 200, created.text
+        batch_id = created.json()["id"]
+
+        def ingested() -> bool:
+            with self._db().session() as session:
+                batch = session.get(Batch, batch_id)
+                return batch is not None and batch.status != "validating"
+
+        wait_for(ingested, 120, "the batch's ingestion")
+        with self._db().session() as session:
+            job_ids = list(session.scalars(select(Job.id).where(Job.batch_id == batch_id).order_by(Job.line)))
+        assert len(job_ids) == len(lines)
+        return batch_id, job_ids
+
+    def batch_status(self, batch_id: str) -> str | None:
+        from common.models import Batch
+
+        with self._db().session() as session:
+            return session.scalar(select(Batch.status).where(Batch.id == batch_id))
 
     def _db(self) -> Any:
         from common.db import get_database

@@ -98,6 +98,23 @@ def test_sigkill_of_the_worker_mid_run(stack: FaultStack, workers: list[Process]
     assert max(report.attempts) == 2  # the jobs it held ran again, once
 
 
+def test_sigkill_mid_chunk_of_batch_rows(stack: FaultStack, workers: list[Process]) -> None:
+    """Batch rows come many to a message and run as one chunk (worker/chunk_runner.py): a worker killed with a
+    chunk half done loses only its unfinished rows' work, which runs again; no row gets two results, and the
+    batch still completes with every row in its output."""
+    first = start_worker(stack, workers)
+    batch_id, job_ids = stack.submit_batch(prompts("chunk"))
+    wait_some_done(stack, job_ids)
+    first.signal(signal.SIGKILL)
+    assert stack.count(job_ids, "succeeded") < N_JOBS  # it died with rows of a chunk in hand
+    start_worker(stack, workers)
+    stack.wait_terminal(job_ids, 120)
+    report = stack.report(job_ids)
+    assert_all_succeeded_once(report)
+    assert max(report.attempts) == 2  # the rows it held ran again, once
+    wait_for(lambda: stack.batch_status(batch_id) == "completed", 60, "the batch to complete")
+
+
 def test_sigterm_mid_run_finishes_what_it_holds(stack: FaultStack, workers: list[Process]) -> None:
     first = start_worker(stack, workers)
     job_ids = stack.submit(prompts("sigterm"))
