@@ -7,11 +7,7 @@ read whole, and a folder of images is zipped to a temporary file first.
 from __future__ import annotations
 
 import json
-import tempfile
 import time
-import zipfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -19,6 +15,7 @@ import httpx
 import typer
 
 from common.api_client import ApiUrl, api_client
+from common.image_archive import images_archive
 
 batch_app = typer.Typer(help="OpenAI-style batches on a running vlmq API.", no_args_is_help=True)
 
@@ -34,24 +31,6 @@ def _check(response: httpx.Response) -> Any:
         typer.echo(f"error {response.status_code}: {message}", err=True)
         raise typer.Exit(1)
     return response.json()
-
-
-@contextmanager
-def images_archive(images: Path) -> Iterator[Path]:
-    """An archive as is, or a folder zipped (stored, not deflated: images are compressed already)."""
-    if images.is_file():
-        yield images
-        return
-    root = images.resolve()
-    with tempfile.TemporaryDirectory(prefix="vlmq-") as tmp:
-        path = Path(tmp) / f"{images.name or 'images'}.zip"
-        with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as zf:
-            for file in sorted(p for p in images.rglob("*") if p.is_file()):
-                # A link out of the folder (to /etc/passwd, say) is not uploaded: lines naming it are refused
-                # as missing, as the server refuses link members of an archive.
-                if file.resolve().is_relative_to(root):
-                    zf.write(file, file.relative_to(images).as_posix())
-        yield path
 
 
 def _upload(client: httpx.Client, path: Path) -> str:

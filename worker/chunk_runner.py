@@ -32,7 +32,8 @@ from common.logs import log_fields
 from worker.generation import GenerationResult, InputError
 from worker.job_group import JobGroupRunner
 from worker.job_request import NO_IMAGES, generation_request, has_images
-from worker.pipeline import JobPipeline, Outcome, infra_retry
+from worker.pipeline import JobPipeline, Outcome
+from worker.retry import infra_retry
 
 log = logging.getLogger(__name__)
 

@@ -23,11 +23,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from sqlalchemy import func, select
 
 from common import batches
-from common.batch_cli import images_archive
 from common.batch_input import LineError, iter_lines, job_line, refused_line
 from common.db import Database, get_database
 from common.dispatch import top_up
 from common.files import add_file, discard_files, file_key, open_reader, open_writer
+from common.image_archive import images_archive
 from common.migrate import upgrade
 from common.models import (
     BATCH_FINAL_STATUSES,

@@ -15,14 +15,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import select
-from tenacity import (
-    Retrying,
-    retry,
-    retry_if_not_exception_type,
-    stop_after_attempt,
-    stop_after_delay,
-    wait_exponential,
-)
+from tenacity import Retrying, stop_after_delay, wait_exponential
 
 from common import jobs
 from common.claimed_job import ClaimedJob
@@ -37,6 +30,7 @@ from worker.generation import InputError
 from worker.job_request import fetch_images, generation_request, has_images
 from worker.leases import LeaseKeeper
 from worker.pixel_budget import PixelBudget
+from worker.retry import infra_retry
 from worker.solo_gate import SoloGate
 from worker.stage_clock import StageClock
 from worker.state_writer import StateWriter
@@ -45,16 +39,6 @@ if TYPE_CHECKING:
     from worker.prepare_pool import PreparePool
 
 log = logging.getLogger(__name__)
-
-# Transient infrastructure errors (S3 or SQL blips) are retried in place a few times before the job is
-# handed back to the queue.
-infra_retry = retry(
-    retry=retry_if_not_exception_type(ObjectNotFound),
-    stop=stop_after_attempt(4),
-    wait=wait_exponential(multiplier=0.2, max=3),
-    reraise=True,
-)
-
 
 @dataclass(frozen=True)
 class Outcome:

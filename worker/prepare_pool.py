@@ -28,7 +28,7 @@ from common.settings import Settings
 from common.storage import ObjectStore, make_store
 from worker.engine.model_runner import PreparedInput, prepare_input, without_decoded_images
 from worker.job_request import fetch_images, generation_request
-from worker.pipeline import infra_retry
+from worker.retry import infra_retry
 
 log = logging.getLogger(__name__)
 

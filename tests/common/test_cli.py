@@ -96,7 +96,7 @@ def test_embedded_api_submit_wait_and_status(tmp_path: Path, tiny_llava_path: Pa
 def test_a_folder_of_images_is_zipped_without_links_out_of_it(tmp_path: Path) -> None:
     import zipfile
 
-    from common.batch_cli import images_archive
+    from common.image_archive import images_archive
 
     secret, folder = tmp_path / "secret.txt", tmp_path / "photos"
     secret.write_text("not for upload")
