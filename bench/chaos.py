@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
 
-    from worker.tiny_model import build_tiny_llava
+    from worker.inference.tiny_model import build_tiny_llava
 
     work = Path(tempfile.mkdtemp(prefix="vlmq-chaos-"))
     s3_port = free_port()

@@ -27,8 +27,8 @@ from engine import cpu_name  # noqa: E402
 
 PYTHON = sys.executable
 IMPORTS = "import torch, transformers"
-LOAD = ("import torch, transformers\nfrom worker.model_loader import load_model\n"
-        "from common.settings import DEMO_MODEL\nload_model(DEMO_MODEL)")
+LOAD = ("import torch, transformers\nfrom worker.inference.model_loader import load_model\n"
+        "from common.infra.settings import DEMO_MODEL\nload_model(DEMO_MODEL)")
 
 
 def _timed(command: list[str], env: dict[str, str]) -> float:

@@ -298,14 +298,14 @@ class FaultStack:
                          self.model, self.workdir, self.settings_env, OMP_NUM_THREADS="1")
 
     def settings(self) -> Any:
-        from common.settings import Settings
+        from common.infra.settings import Settings
 
         env = self.env()
         values: dict[str, Any] = {k.removeprefix("VLMQ_").lower(): v for k, v in env.items() if k.startswith("VLMQ_")}
         return Settings(**values)
 
     def start(self) -> FaultStack:
-        from common.migrate import upgrade
+        from common.infra.migrate import upgrade
         from tests.conftest import ApiServer
 
         self.redis.start()
@@ -352,7 +352,7 @@ class FaultStack:
         """A `vlmq` command as its own process; with `faults`, through tests/fault_worker.py (see there)."""
         self._n += 1
         log = self.workdir / f"{name}-{self._n}.log"
-        entry = [sys.executable, "-m", "tests.fault_worker" if faults else "common.cli"]
+        entry = [sys.executable, "-m", "tests.fault_worker" if faults else "cli.main"]
         with log.open("wb") as out:
             proc = subprocess.Popen([*entry, *args, "--loglevel", "INFO"], cwd=ROOT,
                                     env={**self.env(), "VLMQ_TEST_FAULTS": faults, **env},
@@ -382,12 +382,12 @@ class FaultStack:
         return ids
 
     def _db(self) -> Any:
-        from common.db import get_database
+        from common.infra.db import get_database
 
         return get_database(self.settings().database_url)
 
     def statuses(self, job_ids: list[str]) -> Counter[str]:
-        from common.models import Job
+        from common.domain.models import Job
 
         with self._db().session() as session:
             rows = session.execute(select(Job.status).where(Job.id.in_(job_ids))).scalars()
@@ -410,8 +410,8 @@ class FaultStack:
         maximum."""
         import json
 
-        from common.models import Job
-        from common.storage import result_key
+        from common.domain.models import Job
+        from common.infra.storage import result_key
 
         s3 = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{self.s3_target}", region_name="us-east-1",
                           aws_access_key_id="testing", aws_secret_access_key="testing")

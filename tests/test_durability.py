@@ -218,7 +218,7 @@ def test_crash_between_the_s3_write_and_the_sql_commit(stack: FaultStack, worker
 
 def test_a_poison_job_ends_dead_and_the_others_flow(stack: FaultStack, workers: list[Process]) -> None:
     """The poison kills whichever worker runs it. Each time, the jobs beside it lose an attempt too; a last
-    attempt runs alone (worker/solo_gate.py), so only the poison uses all of its attempts up."""
+    attempt runs alone (worker/jobs/solo_gate.py), so only the poison uses all of its attempts up."""
     poison = "poison"
     start_worker(stack, workers, faults=f"poison:{poison}")
     texts = prompts("flow", 15)
@@ -229,7 +229,7 @@ def test_a_poison_job_ends_dead_and_the_others_flow(stack: FaultStack, workers: 
     report = stack.report(job_ids)
     assert report.statuses == {"succeeded": 15, "dead": 1}, report
     assert report.clean, report
-    from common.models import Job
+    from common.domain.models import Job
 
     with stack._db().session() as session:
         dead = session.get(Job, poison_id)
