@@ -20,10 +20,10 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 from engine import cpu_name  # noqa: E402
 
+from tests.tiny_families import FAMILIES, build_tiny  # noqa: E402
 from worker.inference.generation import GenerationRequest  # noqa: E402
 from worker.inference.model_loader import LoadedModel, load_model  # noqa: E402
 from worker.inference.preprocess import encode_prompt  # noqa: E402
-from worker.inference.tiny_model import FAMILIES, build_tiny  # noqa: E402
 
 PROMPT = "Describe the picture in one short sentence: the shapes, their colours and where they are."
 

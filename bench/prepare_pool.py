@@ -34,7 +34,7 @@ from engine import cpu_name  # noqa: E402
 from common.infra.settings import Settings  # noqa: E402
 from common.infra.storage import S3ObjectStore, image_key  # noqa: E402
 from tests.s3_server import ACCESS_KEY, SECRET_KEY, S3Server  # noqa: E402
-from worker.inference.tiny_model import FAMILIES, build_tiny  # noqa: E402
+from tests.tiny_families import FAMILIES, build_tiny  # noqa: E402
 from worker.jobs.request import fetch_images, generation_request  # noqa: E402
 
 BUCKET = "prepare-bench"

@@ -67,8 +67,8 @@ def build(shape: Shape, device: str, dtype: torch.dtype, work: Path) -> Any:
         Qwen2Config,
     )
 
+    from tests.tiny_families import INTERNVL_CHAT_TEMPLATE, INTERNVL_TOKENS, build_tiny_internvl
     from worker.inference.model_loader import LoadedModel, image_only_processor_class, load_processor
-    from worker.inference.tiny_model import INTERNVL_CHAT_TEMPLATE, INTERNVL_TOKENS, build_tiny_internvl
 
     tiny = build_tiny_internvl(work / "tokenizer-source", seed=0)  # for its tokenizer and chat template
     tokenizer = load_processor(str(tiny)).tokenizer

@@ -25,20 +25,20 @@ def tiny_llava_siglip_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_qwen2_vl_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from worker.inference.tiny_model import build_tiny_qwen2_vl
+    from tests.tiny_families import build_tiny_qwen2_vl
 
     return build_tiny_qwen2_vl(tmp_path_factory.mktemp("models") / "tiny-qwen2-vl", seed=0)
 
 
 @pytest.fixture(scope="session")
 def tiny_internvl_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from worker.inference.tiny_model import build_tiny_internvl
+    from tests.tiny_families import build_tiny_internvl
 
     return build_tiny_internvl(tmp_path_factory.mktemp("models") / "tiny-internvl", seed=0)
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen2_5_vl_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from worker.inference.tiny_model import build_tiny_qwen2_vl
+    from tests.tiny_families import build_tiny_qwen2_vl
 
     return build_tiny_qwen2_vl(tmp_path_factory.mktemp("models") / "tiny-qwen2.5-vl", seed=0, version="2.5")
