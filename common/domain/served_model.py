@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 RECHECK_SECONDS = 60.0
 # The bundled demo model's folder (worker/demo/model, as worker.demo names it), found without importing worker code.
-DEMO_MODEL_FILES = Path(__file__).resolve().parent.parent / "worker" / "demo" / "model"
+DEMO_MODEL_FILES = Path(__file__).resolve().parents[2] / "worker" / "demo" / "model"
 # transformers' stand-in for "no limit" (VERY_LARGE_INTEGER) in tokenizer_config.json.
 _UNSET_MAX_LENGTH = 10**12
 
