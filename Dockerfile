@@ -17,6 +17,7 @@ RUN python -m venv /opt/vlmq \
  && python docker/requirements.py api > /tmp/requirements.txt \
  && /opt/vlmq/bin/pip install -r /tmp/requirements.txt
 COPY api api
+COPY cli cli
 COPY common common
 COPY worker worker
 COPY migrations migrations
@@ -33,6 +34,7 @@ RUN python -m venv /opt/vlmq \
  && python docker/requirements.py worker > /tmp/requirements.txt \
  && /opt/vlmq/bin/pip install -r /tmp/requirements.txt
 COPY api api
+COPY cli cli
 COPY common common
 COPY worker worker
 COPY migrations migrations

@@ -15,8 +15,8 @@ from fastapi import Depends, HTTPException, Request
 from fastapi.concurrency import run_in_threadpool
 
 from api.deps import AppState, get_state
-from common.apikeys import tenant_of
-from common.models import DEFAULT_TENANT
+from common.domain.apikeys import tenant_of
+from common.domain.models import DEFAULT_TENANT
 
 _UNAUTHORIZED = {"WWW-Authenticate": "Bearer"}
 

@@ -10,9 +10,9 @@ from celery import Celery
 from fastapi import Depends, Request
 from sqlalchemy.orm import Session
 
-from common.db import Database
-from common.settings import Settings
-from common.storage import ObjectStore
+from common.infra.db import Database
+from common.infra.settings import Settings
+from common.infra.storage import ObjectStore
 
 
 @dataclass

@@ -12,8 +12,8 @@ from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, OperationalErr
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from common.schemas import ErrorResponse
-from common.submission import SubmissionError
+from common.domain.schemas import ErrorResponse
+from common.domain.submission import SubmissionError
 
 log = logging.getLogger(__name__)
 

@@ -11,11 +11,11 @@ from fastapi.concurrency import run_in_threadpool
 
 from api.deps import AppState
 from api.job_writer import JobWriter
-from common import dispatch
-from common.queue import send_run_job
-from common.schemas import ChatCompletionRequest
-from common.submission import job_fields, needs_session, submit_job
-from common.views import job_view
+from common.broker import dispatch
+from common.broker.queue import send_run_job
+from common.domain.schemas import ChatCompletionRequest
+from common.domain.submission import job_fields, needs_session, submit_job
+from common.domain.views import job_view
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from datetime import datetime
 from fastapi.concurrency import run_in_threadpool
 from sqlalchemy import select
 
-from common.db import Database
-from common.models import TERMINAL_STATUSES, Job
+from common.domain.models import TERMINAL_STATUSES, Job
+from common.infra.db import Database
 
 log = logging.getLogger(__name__)
 

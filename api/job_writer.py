@@ -21,10 +21,11 @@ from typing import Any
 from sqlalchemy.exc import InterfaceError, OperationalError
 
 from api.deps import AppState
-from common import dispatch, jobs
-from common.group_queue import next_group
-from common.queue import send_run_jobs
-from common.views import job_view
+from common.broker import dispatch
+from common.broker.queue import send_run_jobs
+from common.domain import jobs
+from common.domain.views import job_view
+from common.infra.group_queue import next_group
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ _UNREACHABLE = (OperationalError, InterfaceError)
 
 @dataclass
 class _Pending:
-    fields: dict[str, Any]  # common.jobs.new_job's keyword arguments
+    fields: dict[str, Any]  # common.domain.jobs.new_job's keyword arguments
     answer: Future[str]  # the job's JSON view, once committed
 
 

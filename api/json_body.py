@@ -8,8 +8,8 @@ from typing import Any, TypeVar
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
-from common import storable
-from common.submission import SubmissionError
+from common.domain import storable
+from common.domain.submission import SubmissionError
 
 Model = TypeVar("Model", bound=BaseModel)
 

@@ -25,7 +25,7 @@ from sqlalchemy import func, select
 
 from api.auth import get_tenant
 from api.deps import AppState, get_state
-from common.models import Job, JobStatus
+from common.domain.models import Job, JobStatus
 
 log = logging.getLogger(__name__)
 

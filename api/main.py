@@ -19,12 +19,12 @@ from api.job_writer import JobWriter
 from api.limits import OpenJobsCounter, RateLimiter, rate_limit
 from api.metrics import install_metrics
 from api.routes import batches, chat, datasets, files, health, images, jobs, models, status
-from common.db import get_database
-from common.queue import make_celery
-from common.served_model import served_model
-from common.settings import Settings, get_settings
-from common.storage import make_store
-from common.worker_registry import WorkerRegistry
+from common.broker.queue import make_celery
+from common.domain.served_model import served_model
+from common.infra.db import get_database
+from common.infra.settings import Settings, get_settings
+from common.infra.storage import make_store
+from common.infra.worker_registry import WorkerRegistry
 
 log = logging.getLogger(__name__)
 

@@ -23,10 +23,10 @@ from sqlalchemy import func, select
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.deps import AppState
-from common.broker_stats import queue_depths
-from common.gc_pauses import GcPauseCollector
-from common.models import Batch, Job
-from common.worker_registry import WorkerRegistry
+from common.broker.stats import queue_depths
+from common.domain.models import Batch, Job
+from common.infra.gc_pauses import GcPauseCollector
+from common.infra.worker_registry import WorkerRegistry
 
 log = logging.getLogger(__name__)
 

@@ -16,10 +16,10 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from api.deps import AppState
-from common.batches import batch_view
-from common.broker_stats import queue_depths
-from common.models import BATCH_FINAL_STATUSES, Batch, Job, JobStatus
-from common.worker_registry import WorkerRegistry
+from common.broker.stats import queue_depths
+from common.domain.batches import batch_view
+from common.domain.models import BATCH_FINAL_STATUSES, Batch, Job, JobStatus
+from common.infra.worker_registry import WorkerRegistry
 
 OPEN_BATCHES_SHOWN = 50
 FINISHED_BATCHES_SHOWN = 20

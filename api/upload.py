@@ -14,9 +14,9 @@ from fastapi.concurrency import run_in_threadpool
 from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import MultipartParser, parse_options_header
 
-from common.files import ObjectWriter, open_writer
-from common.storage import ObjectStore
-from common.submission import SubmissionError
+from common.domain.files import ObjectWriter, open_writer
+from common.domain.submission import SubmissionError
+from common.infra.storage import ObjectStore
 
 FLUSH_BYTES = 1024 * 1024  # hand a writer at least this much at a time (one thread hop per MiB)
 MAX_FIELD_BYTES = 64 * 1024

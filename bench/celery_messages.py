@@ -2,8 +2,8 @@
 
 A real Celery worker process (vlmq's app and its run_job task, threads pool, concurrency 64:
 tests/stub_worker.py) consumes jobs whose pipeline does nothing (each job returns at once), so what is measured
-is the delivery: Celery's receipt, task call and ack, and vlmq's grouping (worker/job_group.py,
-worker/prefetch_share.py). The messages are written by common/queue.send_run_jobs, as the API and ingestion
+is the delivery: Celery's receipt, task call and ack, and vlmq's grouping (worker/jobs/group.py,
+worker/jobs/prefetch_share.py). The messages are written by common/broker/queue.send_run_jobs, as the API and ingestion
 write them. Rounds alternate the group sizes; medians of the worker's CPU per job and the wall time to drain
 them.
 
@@ -25,8 +25,8 @@ import redis
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from common.queue import make_celery, send_run_jobs  # noqa: E402
-from common.settings import Settings  # noqa: E402
+from common.broker.queue import make_celery, send_run_jobs  # noqa: E402
+from common.infra.settings import Settings  # noqa: E402
 from tests import stub_worker  # noqa: E402
 
 

@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="the share of the jobs sent as the rows of one Batch API file; the rest by POST /v1/jobs")
     args = parser.parse_args(argv)
 
-    from worker.tiny_model import build_tiny_llava
+    from worker.inference.tiny_model import build_tiny_llava
 
     work = Path(tempfile.mkdtemp(prefix="vlmq-chaos-"))
     s3_port = free_port()

@@ -57,10 +57,10 @@ from PIL import Image  # noqa: E402
 
 from tests.s3_server import S3_SERVERS, S3Server  # noqa: E402
 from worker.engine.allocator import keep_freed_memory  # noqa: E402
-from worker.generation import GenerationRequest, SamplingParams  # noqa: E402
-from worker.image_resize import use_torch_resize  # noqa: E402
-from worker.model_loader import LoadedModel, load_model  # noqa: E402
-from worker.tiny_model import build_tiny_llava  # noqa: E402
+from worker.inference.generation import GenerationRequest, SamplingParams  # noqa: E402
+from worker.inference.image_resize import use_torch_resize  # noqa: E402
+from worker.inference.model_loader import LoadedModel, load_model  # noqa: E402
+from worker.inference.tiny_model import build_tiny_llava  # noqa: E402
 
 PEERS_VENV = Path(os.environ.get("VLMQ_PEERS_VENV", "/work/peers-venv"))
 # bench/engine.py's models, with head sizes vLLM's CPU attention has kernels for (tiny's 96/4 = 24 it has not).

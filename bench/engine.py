@@ -29,11 +29,11 @@ import torch
 from PIL import Image
 
 from worker.engine.allocator import keep_freed_memory
-from worker.engine.config import EngineConfig
+from worker.engine.core.config import EngineConfig
 from worker.engine.engine import Engine
-from worker.generation import GenerationRequest, SamplingParams
-from worker.model_loader import LoadedModel, load_model
-from worker.tiny_model import TinySpec, build_tiny_llava
+from worker.inference.generation import GenerationRequest, SamplingParams
+from worker.inference.model_loader import LoadedModel, load_model
+from worker.inference.tiny_model import TinySpec, build_tiny_llava
 
 SPECS = {
     "tiny": TinySpec(),
@@ -113,7 +113,7 @@ def new_engine(path: Path, cpu_paths: bool = True, dtype: torch.dtype = torch.fl
     """`cpu_paths=False`: without the C++ decode attention and the oneDNN-packed linears (the pure-torch
     engine, for side-by-side runs); `fused`: the one-pass RMSNorm and SiLU kernels (default: as `cpu_paths`);
     `compile_layers`: decoder layers compiled by torch.compile; `torch_resize`:
-    the image processor resizes with torch's kernel, else Pillow (process-wide, worker/image_resize.py)."""
+    the image processor resizes with torch's kernel, else Pillow (process-wide, worker/inference/image_resize.py)."""
     config = EngineConfig(num_kv_blocks=8192, block_size=16, max_num_seqs=256, max_num_batched_tokens=4096,
                           cpu_attention_kernel=cpu_paths, cpu_packed_linear=cpu_paths,
                           cpu_fused_elementwise=cpu_paths if fused is None else fused, compile_layers=compile_layers)

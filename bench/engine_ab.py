@@ -31,7 +31,7 @@ from compare import MODELS, make_jobs  # noqa: E402
 from engine import cpu_name, new_engine  # noqa: E402
 
 from worker.engine.allocator import keep_freed_memory  # noqa: E402
-from worker.tiny_model import build_tiny_llava  # noqa: E402
+from worker.inference.tiny_model import build_tiny_llava  # noqa: E402
 
 # Per pair: (name, new_engine's keyword arguments) of the baseline, then of the variant.
 PAIRS: dict[str, tuple[tuple[str, dict[str, bool]], tuple[str, dict[str, bool]]]] = {

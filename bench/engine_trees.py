@@ -49,7 +49,7 @@ def turn(tree: Path, model: str, kinds: list[str], rounds: int, jobs: int, max_t
     from engine import new_engine
 
     from worker.engine.allocator import keep_freed_memory
-    from worker.tiny_model import build_tiny_llava
+    from worker.inference.tiny_model import build_tiny_llava
 
     torch.set_num_threads(threads)
     keep_freed_memory()

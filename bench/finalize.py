@@ -4,7 +4,7 @@
 
 A batch of --jobs succeeded jobs is written to a fresh Postgres database (bulk: rows, claims and finishes as a
 worker leaves them), each with its result object in an S3 bucket of moto's standalone server (over HTTP, as
-in the tests), then `worker.finalize.finalize_batch` runs in a child process and writes the output JSONL.
+in the tests), then `worker.batches.finalize.finalize_batch` runs in a child process and writes the output JSONL.
 Prints its wall time, its CPU, and the S3 server's CPU meanwhile. `--code DIR` (repeatable) runs the same
 finalization with other copies of api/, common/, worker/ (for example the code before a change) side by side
 in this run; figures are medians of --repeats, the copies alternating.
@@ -37,10 +37,10 @@ REQUEST = {"messages": [{"role": "user", "content": [{"type": "text", "text": "d
 _CHILD = """
 import json, sys, time
 sys.path.insert(0, sys.argv[1])
-from common.db import get_database
-from common.settings import Settings
-from common.storage import make_store
-from worker.finalize import finalize_batch
+from common.infra.db import get_database
+from common.infra.settings import Settings
+from common.infra.storage import make_store
+from worker.batches.finalize import finalize_batch
 settings = Settings(**json.loads(sys.argv[2]))
 db, store = get_database(settings.database_url), make_store(settings)
 wall, cpu = time.perf_counter(), time.process_time()
@@ -51,11 +51,11 @@ print(json.dumps({"status": status, "seconds": time.perf_counter() - wall, "cpu"
 
 def make_batch(settings_fields: dict[str, Any], n_jobs: int) -> str:
     """A batch whose n_jobs jobs have all succeeded, result objects stored, not yet finalized."""
-    from common import batches, jobs
-    from common.db import get_database
-    from common.settings import Settings
-    from common.storage import make_store, result_key
-    from common.views import chat_completion
+    from common.domain import batches, jobs
+    from common.domain.views import chat_completion
+    from common.infra.db import get_database
+    from common.infra.settings import Settings
+    from common.infra.storage import make_store, result_key
 
     settings = Settings(**settings_fields)
     db, store = get_database(settings.database_url), make_store(settings)
@@ -106,7 +106,7 @@ def main() -> None:
         wait_for(lambda: port_open(port), 30, "the S3 server")
         postgres.init()
         postgres.start()
-        from common.migrate import upgrade
+        from common.infra.migrate import upgrade
 
         upgrade(postgres.url)
         with tempfile.TemporaryDirectory() as tmp:

@@ -5,7 +5,7 @@
 
 `ingest`: an OpenAI batch JSONL of N rows, each with one text part and one data: URL PNG drawn from a pool of
 distinct images (each reused rows/images times), is stored in a local object folder; a batch row is created
-and `worker.ingest.ingest_batch` runs in a fresh child process (so its peak RSS, VmHWM, is the ingestion's
+and `worker.batches.ingest.ingest_batch` runs in a fresh child process (so its peak RSS, VmHWM, is the ingestion's
 alone) with a real Celery app dispatching to a throwaway Redis db number. Prints rows/s, peak RSS, the image
 rows and objects written (must equal the distinct images), and the messages that reached Redis.
 
@@ -14,7 +14,7 @@ local object folder, auth on (one API key), no worker consuming. A raw keep-aliv
 _load.py, a few client processes) posts POST /v1/jobs as fast as the server answers, for text-only jobs and
 for jobs naming an already-uploaded image id. Every answer must be a 202.
 
-`--code DIR` (repeatable) runs the same measurement against other copies of api/, common/, worker/ (for
+`--code DIR` (repeatable) runs the same measurement against other copies of api/, cli/, common/, worker/ (for
 example the code before an optimisation) side by side in this run; figures are medians of --repeats.
 """
 
@@ -99,7 +99,7 @@ class Environment:
             self.db_url = PG_ADMIN.rsplit("/", 1)[0] + f"/{self.pg_name}"
         else:
             self.db_url = f"sqlite:///{tmp / f'bench-{uuid.uuid4().hex[:6]}.db'}"
-        from common.migrate import upgrade
+        from common.infra.migrate import upgrade
 
         upgrade(self.db_url)
         # The model's config and tokenizer are readable, as where the API shares the worker's HF cache: every
@@ -113,7 +113,7 @@ class Environment:
                     "VLMQ_MODEL": str(model_dir), "VLMQ_AUTH": "on"}
 
     def settings(self) -> Any:
-        from common.settings import Settings
+        from common.infra.settings import Settings
 
         values: dict[str, Any] = {k.removeprefix("VLMQ_").lower(): v for k, v in self.env.items()}
         return Settings(**values)
@@ -127,7 +127,7 @@ class Environment:
     def close(self) -> None:
         import redis
 
-        from common.db import _databases
+        from common.infra.db import _databases
 
         for db in list(_databases.values()):
             db.dispose()
@@ -152,10 +152,10 @@ def ingest_once(env: Environment, jsonl: Path, code: Path, chunk_rows: int | Non
                 ) -> dict[str, Any]:
     from sqlalchemy import func, select
 
-    from common import batches
-    from common.db import get_database
-    from common.files import add_file, file_key
-    from common.models import ImageRecord, Job, new_file_id
+    from common.domain import batches
+    from common.domain.files import add_file, file_key
+    from common.domain.models import ImageRecord, Job, new_file_id
+    from common.infra.db import get_database
 
     settings = env.settings()
     db = get_database(settings.database_url)
@@ -189,11 +189,11 @@ def ingest_once(env: Environment, jsonl: Path, code: Path, chunk_rows: int | Non
 
 def ingest_child(batch_id: str) -> None:
     """Runs in its own process: ingest one batch with real Celery dispatch, report time and peak RSS."""
-    from common.db import get_database
-    from common.queue import make_celery, send_run_jobs
-    from common.settings import Settings
-    from common.storage import make_store
-    from worker.ingest import IngestDeps, ingest_batch
+    from common.broker.queue import make_celery, send_run_jobs
+    from common.infra.db import get_database
+    from common.infra.settings import Settings
+    from common.infra.storage import make_store
+    from worker.batches.ingest import IngestDeps, ingest_batch
 
     settings = Settings()
     app = make_celery(settings)
@@ -309,10 +309,10 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def _prepare_api(env: Environment) -> tuple[str, str]:
-    from common.apikeys import create_key
-    from common.db import get_database
-    from common.storage import make_store
-    from common.stored_images import image_public_id, store_image
+    from common.domain.apikeys import create_key
+    from common.images.stored import image_public_id, store_image
+    from common.infra.db import get_database
+    from common.infra.storage import make_store
 
     settings = env.settings()
     db = get_database(settings.database_url)

@@ -53,8 +53,8 @@ def main() -> None:
     import psycopg
     from sqlalchemy import text
 
-    from common.db import make_engine
-    from common.migrate import upgrade
+    from common.infra.db import make_engine
+    from common.infra.migrate import upgrade
 
     name = f"vlmq_bench_mig_{uuid.uuid4().hex[:8]}"
     with psycopg.connect(PG_ADMIN, autocommit=True) as conn:

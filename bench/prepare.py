@@ -1,5 +1,5 @@
-"""A text-only prompt through worker/preprocess.encode_prompt, by the tokenizer alone (where the load-time probe
-allows it: LoadedModel.text_by_tokenizer) against the processor, side by side on the same loaded model, for
+"""A text-only prompt through worker/inference/preprocess.encode_prompt, by the tokenizer alone (where the load-time
+probe allows it: LoadedModel.text_by_tokenizer) against the processor, side by side on the same loaded model, for
 each family's tiny checkpoint. CPU per prompt (the job thread's own), medians of --repeats, alternating.
 
     .venv/bin/python bench/prepare.py [--prompts 300] [--repeats 7]
@@ -20,10 +20,10 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 from engine import cpu_name  # noqa: E402
 
-from worker.generation import GenerationRequest  # noqa: E402
-from worker.model_loader import LoadedModel, load_model  # noqa: E402
-from worker.preprocess import encode_prompt  # noqa: E402
-from worker.tiny_model import FAMILIES, build_tiny  # noqa: E402
+from tests.tiny_families import FAMILIES, build_tiny  # noqa: E402
+from worker.inference.generation import GenerationRequest  # noqa: E402
+from worker.inference.model_loader import LoadedModel, load_model  # noqa: E402
+from worker.inference.preprocess import encode_prompt  # noqa: E402
 
 PROMPT = "Describe the picture in one short sentence: the shapes, their colours and where they are."
 

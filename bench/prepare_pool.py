@@ -1,5 +1,6 @@
 """How many image jobs a worker can prepare a second: in its job threads (one GIL, the processor under one lock, as
-worker/pipeline.py does with VLMQ_PREPARE_PROCESSES=0) against a pool of prepare processes (worker/prepare_pool.py).
+worker/jobs/pipeline.py does with VLMQ_PREPARE_PROCESSES=0) against a pool of prepare processes
+(worker/jobs/prepare_pool.py).
 
 Each job: its image's GET from an S3 server (rclone's, over HTTP), decode, chat template, processor, into the
 engine's PreparedInput. --threads job threads ask at once, as a worker's do. Per family's tiny checkpoint (the
@@ -30,11 +31,11 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 from engine import cpu_name  # noqa: E402
 
-from common.settings import Settings  # noqa: E402
-from common.storage import S3ObjectStore, image_key  # noqa: E402
+from common.infra.settings import Settings  # noqa: E402
+from common.infra.storage import S3ObjectStore, image_key  # noqa: E402
 from tests.s3_server import ACCESS_KEY, SECRET_KEY, S3Server  # noqa: E402
-from worker.job_request import fetch_images, generation_request  # noqa: E402
-from worker.tiny_model import FAMILIES, build_tiny  # noqa: E402
+from tests.tiny_families import FAMILIES, build_tiny  # noqa: E402
+from worker.jobs.request import fetch_images, generation_request  # noqa: E402
 
 BUCKET = "prepare-bench"
 
@@ -64,7 +65,7 @@ def in_threads(settings: Settings, image_ids: list[str], threads: int) -> tuple[
 
     from worker.engine.families import get_family
     from worker.engine.model_runner import prepare_input
-    from worker.model_loader import load_model
+    from worker.inference.model_loader import load_model
 
     front = load_model(settings.model, dtype=torch.float32, weights=False)
     family = get_family(front.model)
@@ -101,7 +102,7 @@ def main() -> None:
     parser.add_argument("--families", default=",".join(FAMILIES))
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    from worker.prepare_pool import PreparePool
+    from worker.jobs.prepare_pool import PreparePool
 
     pools = [int(n) for n in args.pools.split(",")]
     sizes = [tuple(int(v) for v in size.split("x")) for size in args.sizes.split(",")]

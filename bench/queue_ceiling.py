@@ -4,8 +4,8 @@
 
 Each service runs as compose runs it (bench/service_stack.py: `vlmq api`, `vlmq worker`, `vlmq ingest-worker
 --beat`, their own redis-server and Postgres cluster, moto's S3 server), the worker with `VLMQ_BACKEND=null`
-(worker/null_generator.py): every row is still templated, tokenised and, for image rows, decoded and run through
-the checkpoint's image processor, but nothing is generated. One OpenAI Batch API file goes in (upload ->
+(worker/inference/null_generator.py): every row is still templated, tokenised and, for image rows, decoded and run
+through the checkpoint's image processor, but nothing is generated. One OpenAI Batch API file goes in (upload ->
 ingest -> dispatch -> worker -> finalize -> output file), timed to the batch's `completed`, for text rows and
 for rows with a 96 px image each. What it prints is what the queue costs a row: the rows/s a worker could
 never exceed, however fast a GPU makes the model, and the CPU each process spends per row.
@@ -26,7 +26,7 @@ from compare import MODELS, make_jobs, run_service  # noqa: E402
 from engine import cpu_name  # noqa: E402
 
 from tests.s3_server import S3Server  # noqa: E402
-from worker.tiny_model import build_tiny_llava  # noqa: E402
+from worker.inference.tiny_model import build_tiny_llava  # noqa: E402
 
 
 def main() -> None:

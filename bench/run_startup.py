@@ -27,8 +27,8 @@ from engine import cpu_name  # noqa: E402
 
 PYTHON = sys.executable
 IMPORTS = "import torch, transformers"
-LOAD = ("import torch, transformers\nfrom worker.model_loader import load_model\n"
-        "from common.settings import DEMO_MODEL\nload_model(DEMO_MODEL)")
+LOAD = ("import torch, transformers\nfrom worker.inference.model_loader import load_model\n"
+        "from common.infra.settings import DEMO_MODEL\nload_model(DEMO_MODEL)")
 
 
 def _timed(command: list[str], env: dict[str, str]) -> float:
@@ -50,6 +50,8 @@ def main() -> None:
     parser.add_argument("--baseline-tree", type=Path, default=None,
                         help="another checkout (e.g. a git worktree of an older commit): its `vlmq run` runs "
                              "beside this tree's, as it picks by default")
+    parser.add_argument("--baseline-module", default="common.cli",
+                        help="the baseline tree's CLI module (common.cli before the CLI moved to cli/)")
     args = parser.parse_args()
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     print(f"CPU: {cpu_name()}; {os.cpu_count()} CPUs")
@@ -70,10 +72,10 @@ def main() -> None:
             for label, engine_process in (("auto", None), ("engine here", "false"), ("engine child", "true")):
                 run_env = dict(env) if engine_process is None else {**env, "VLMQ_ENGINE_PROCESS": engine_process}
                 variants[f"vlmq run, {n} lines, {label}"] = (
-                    [PYTHON, "-m", "common.cli", "run", str(path), "-o", str(work / "out.jsonl")], run_env)
+                    [PYTHON, "-m", "cli", "run", str(path), "-o", str(work / "out.jsonl")], run_env)
             if args.baseline_tree is not None:
                 variants[f"baseline vlmq run, {n} lines"] = (
-                    [PYTHON, "-m", "common.cli", "run", str(path), "-o", str(work / "out.jsonl")],
+                    [PYTHON, "-m", args.baseline_module, "run", str(path), "-o", str(work / "out.jsonl")],
                     {**env, "VLMQ_BASELINE_TREE": str(args.baseline_tree.resolve())})
         walls: dict[str, list[float]] = {label: [] for label in variants}
         for rep in range(args.repeats):

@@ -89,7 +89,7 @@ class ServiceStack:
 
     def _spawn(self, name: str, args: list[str], **env: str) -> None:
         log = (self.workdir / f"{name}.log").open("wb")
-        self.processes[name] = subprocess.Popen([sys.executable, "-m", "common.cli", *args], cwd=ROOT,
+        self.processes[name] = subprocess.Popen([sys.executable, "-m", "cli.main", *args], cwd=ROOT,
                                                 env={**self.env(), **env}, stdout=log, stderr=subprocess.STDOUT,
                                                 start_new_session=True)
 
@@ -97,9 +97,9 @@ class ServiceStack:
         return (self.workdir / f"{name}.log").read_text(errors="replace")
 
     def start(self, worker_concurrency: int, worker_threads: int) -> ServiceStack:
-        from common.apikeys import create_key
-        from common.db import get_database
-        from common.migrate import upgrade
+        from common.domain.apikeys import create_key
+        from common.infra.db import get_database
+        from common.infra.migrate import upgrade
 
         self.redis.start()
         self.postgres.init()

@@ -1,4 +1,4 @@
-"""A worker's grouped claims and finishes (worker/state_writer.py): CPU per job, by group size.
+"""A worker's grouped claims and finishes (worker/jobs/state_writer.py): CPU per job, by group size.
 
     python bench/state_writes.py [--jobs 480] [--groups 1,2,4,32] [--repeats 3] [--code DIR ...]
 
@@ -35,9 +35,9 @@ REQUEST = {"messages": [{"role": "user", "content": [{"type": "text", "text": "d
 _CHILD = """
 import json, sys, time
 sys.path.insert(0, sys.argv[1])
-from common import jobs
-from common.db import get_database
-from worker.state_writer import StateWriter, _Request
+from common.domain import jobs
+from common.infra.db import get_database
+from worker.jobs.state_writer import StateWriter, _Request
 ids, size = json.loads(sys.argv[3]), int(sys.argv[4])
 writer = StateWriter(get_database(sys.argv[2]), "bench-worker", 600)
 def result(job_id):
@@ -61,8 +61,8 @@ print(json.dumps({"cpu": cpu, "jobs": len(ids)}))
 
 
 def make_jobs(url: str, n: int) -> list[str]:
-    from common import jobs
-    from common.db import get_database
+    from common.domain import jobs
+    from common.infra.db import get_database
 
     db = get_database(url)
     with db.session() as session:
@@ -85,7 +85,7 @@ def main() -> None:
     try:
         postgres.init()
         postgres.start()
-        from common.migrate import upgrade
+        from common.infra.migrate import upgrade
 
         upgrade(postgres.url)
         postmaster = int((postgres.data / "postmaster.pid").read_text().split()[0])

@@ -11,8 +11,9 @@ import sys
 import tomllib
 from pathlib import Path
 
-# Only a model worker needs these (worker/engine, worker/model_loader, worker/hf_runner). `tokenizers` (Rust, no
-# torch) is not one: the API and ingestion count a prompt's tokens with it (common/prompt_size.py).
+# Only a model worker needs these (worker/engine, worker/inference/model_loader, worker/inference/hf_runner).
+# `tokenizers` (Rust, no torch) is not one: the API and ingestion count a prompt's tokens with it
+# (common/domain/prompt_size.py).
 MODEL_STACK = frozenset({"torch", "transformers", "safetensors"})
 
 

@@ -15,7 +15,7 @@ import io
 import json
 from pathlib import Path
 
-from common.settings import DEMO_MODEL
+from common.infra.settings import DEMO_MODEL
 from worker.demo.shapes import Sample, samples
 
 EXAMPLE_SEED = 2026

@@ -6,9 +6,9 @@ from typing import Any, Literal
 
 from alembic import context
 
-from common.db import make_engine, normalize_url
-from common.models import Base, UTCDateTime
-from common.settings import get_settings
+from common.domain.models import Base, UTCDateTime
+from common.infra.db import make_engine, normalize_url
+from common.infra.settings import get_settings
 
 config = context.config
 

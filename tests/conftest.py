@@ -54,7 +54,7 @@ def pg_url() -> Iterator[str]:
         conn.execute(f'CREATE DATABASE "{name}"')
     url = PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
     yield url.replace("postgresql://", "postgresql+psycopg://", 1)
-    from common.db import _databases
+    from common.infra.db import _databases
 
     for db in list(_databases.values()):
         db.dispose()
@@ -145,7 +145,7 @@ def cpu_kernels_built() -> None:
 
 @pytest.fixture(scope="session")
 def tiny_llava_path(tmp_path_factory: pytest.TempPathFactory, cpu_kernels_built: None) -> Path:
-    from worker.tiny_model import build_tiny_llava
+    from worker.inference.tiny_model import build_tiny_llava
 
     return build_tiny_llava(tmp_path_factory.mktemp("models") / "tiny-llava", seed=0)
 
@@ -171,7 +171,7 @@ class ApiServer:
 
     def make_key(self, tenant: str) -> str:
         """A new API key of `tenant`, made as `vlmq apikey create` makes it."""
-        from common.apikeys import create_key
+        from common.domain.apikeys import create_key
 
         with self.app.state.vlmq.db.session() as session:
             return create_key(session, tenant).key
@@ -201,7 +201,7 @@ class ApiServer:
 def service_env(pg_url: str, redis_url: str, s3_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
                 ) -> dict[str, str]:
     """VLMQ_* environment for the service configuration: Postgres, Redis, S3 server."""
-    from common.migrate import upgrade
+    from common.infra.migrate import upgrade
 
     upgrade(pg_url)
     return {
@@ -214,7 +214,7 @@ def service_env(pg_url: str, redis_url: str, s3_env: dict[str, str], tmp_path_fa
 
 def settings_from_env(env: dict[str, str], **overrides: object):
     """The Settings a process started with `env` (VLMQ_* variables) would read, with `overrides` on top."""
-    from common.settings import Settings
+    from common.infra.settings import Settings
 
     values: dict[str, Any] = {k.removeprefix("VLMQ_").lower(): v for k, v in env.items() if k.startswith("VLMQ_")}
     return Settings(**{**values, **overrides})

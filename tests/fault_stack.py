@@ -299,14 +299,14 @@ class FaultStack:
                          self.model, self.workdir, self.settings_env, OMP_NUM_THREADS="1")
 
     def settings(self) -> Any:
-        from common.settings import Settings
+        from common.infra.settings import Settings
 
         env = self.env()
         values: dict[str, Any] = {k.removeprefix("VLMQ_").lower(): v for k, v in env.items() if k.startswith("VLMQ_")}
         return Settings(**values)
 
     def start(self) -> FaultStack:
-        from common.migrate import upgrade
+        from common.infra.migrate import upgrade
         from tests.conftest import ApiServer
 
         self.redis.start()
@@ -353,7 +353,7 @@ class FaultStack:
         """A `vlmq` command as its own process; with `faults`, through tests/fault_worker.py (see there)."""
         self._n += 1
         log = self.workdir / f"{name}-{self._n}.log"
-        entry = [sys.executable, "-m", "tests.fault_worker" if faults else "common.cli"]
+        entry = [sys.executable, "-m", "tests.fault_worker" if faults else "cli.main"]
         with log.open("wb") as out:
             proc = subprocess.Popen([*entry, *args, "--loglevel", "INFO"], cwd=ROOT,
                                     env={**self.env(), "VLMQ_TEST_FAULTS": faults, **env},
@@ -385,7 +385,7 @@ class FaultStack:
     def submit_batch(self, prompts: Iterable[str], max_tokens: int = 24) -> tuple[str, list[str]]:
         """The prompts as the rows of one OpenAI Batch API file: (the batch's id, its jobs' ids, in line order)
         once ingestion has written them all."""
-        from common.models import Batch, Job
+        from common.domain.models import Batch, Job
 
         lines = [json.dumps({"custom_id": f"row-{i}", "method": "POST", "url": "/v1/chat/completions",
                              "body": {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens}})
@@ -411,18 +411,18 @@ class FaultStack:
         return batch_id, job_ids
 
     def batch_status(self, batch_id: str) -> str | None:
-        from common.models import Batch
+        from common.domain.models import Batch
 
         with self._db().session() as session:
             return session.scalar(select(Batch.status).where(Batch.id == batch_id))
 
     def _db(self) -> Any:
-        from common.db import get_database
+        from common.infra.db import get_database
 
         return get_database(self.settings().database_url)
 
     def statuses(self, job_ids: list[str]) -> Counter[str]:
-        from common.models import Job
+        from common.domain.models import Job
 
         with self._db().session() as session:
             rows = session.execute(select(Job.status).where(Job.id.in_(job_ids))).scalars()
@@ -445,8 +445,8 @@ class FaultStack:
         maximum."""
         import json
 
-        from common.models import Job
-        from common.storage import result_key
+        from common.domain.models import Job
+        from common.infra.storage import result_key
 
         s3 = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{self.s3_target}", region_name="us-east-1",
                           aws_access_key_id="testing", aws_secret_access_key="testing")

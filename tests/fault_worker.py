@@ -25,20 +25,20 @@ def _die() -> None:
 def _fail_consumer_start() -> None:
     from celery import bootsteps
 
-    import common.queue
+    import common.broker.queue
 
     class BrokenConsumerStep(bootsteps.StartStopStep):
         def start(self, parent: Any) -> None:
             raise AttributeError("'NoneType' object has no attribute 'hostname'")
 
-    make_celery = common.queue.make_celery
+    make_celery = common.broker.queue.make_celery
 
     def make_broken_celery(*args: Any, _make: Any = make_celery, **kwargs: Any) -> Any:
         app = _make(*args, **kwargs)
         app.steps["consumer"].add(BrokenConsumerStep)
         return app
 
-    common.queue.make_celery = make_broken_celery
+    common.broker.queue.make_celery = make_broken_celery
 
 
 def install(faults: str) -> None:
@@ -47,7 +47,7 @@ def install(faults: str) -> None:
         if kind == "unrecoverable":
             _fail_consumer_start()
         elif kind == "crash_after_persist":
-            from worker.pipeline import JobPipeline
+            from worker.jobs.pipeline import JobPipeline
 
             marker = Path(arg)
             finish = JobPipeline._finish
@@ -65,9 +65,9 @@ def install(faults: str) -> None:
 
             JobPipeline._finish = finish_or_crash  # type: ignore[method-assign]
         elif kind == "poison":
-            import worker.pipeline
+            import worker.jobs.pipeline
 
-            build = worker.pipeline.generation_request
+            build = worker.jobs.pipeline.generation_request
 
             def build_or_die(*args: Any, _build: Any = build, _word: str = arg, **kwargs: Any) -> Any:
                 request = _build(*args, **kwargs)
@@ -75,14 +75,14 @@ def install(faults: str) -> None:
                     _die()
                 return request
 
-            worker.pipeline.generation_request = build_or_die
+            worker.jobs.pipeline.generation_request = build_or_die
         else:
             raise SystemExit(f"unknown fault {fault!r}")
 
 
 if __name__ == "__main__":
     install(os.environ.get("VLMQ_TEST_FAULTS", ""))
-    from common.cli import main
+    from cli.main import main
 
     sys.argv = ["vlmq", *sys.argv[1:]]
     main()

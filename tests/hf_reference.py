@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from PIL import Image
 
-from worker.model_loader import LoadedModel
+from worker.inference.model_loader import LoadedModel
 
 
 def hf_generate_alone(

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import redis
 
-from worker.pipeline import Outcome
+from worker.jobs.pipeline import Outcome
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "/models/stub-worker"  # names the queue: senders use it too
@@ -79,10 +79,10 @@ def stop(worker: subprocess.Popen[bytes]) -> None:
 
 
 def main() -> None:
-    from common.queue import make_celery
-    from common.settings import Settings
+    from common.broker.queue import make_celery
+    from common.infra.settings import Settings
     from worker import context, tasks
-    from worker.job_group import JobGroupRunner
+    from worker.jobs.group import JobGroupRunner
 
     broker_url, name, concurrency = sys.argv[1], sys.argv[2], int(sys.argv[3])
     settings = Settings(broker_url=broker_url, model=MODEL, retry_backoff_seconds=0)

@@ -96,7 +96,7 @@ def test_a_service_variant_runs_beside_the_service_with_its_settings(tmp_path: P
 def _code_copy(tmp_path: Path) -> Path:
     """A second copy of the code, as a bench's `--code DIR` takes it."""
     copy = tmp_path / "code"
-    for part in ("api", "common", "worker"):
+    for part in ("api", "cli", "common", "worker"):
         shutil.copytree(ROOT / part, copy / part, ignore=shutil.ignore_patterns("__pycache__"))
     return copy
 

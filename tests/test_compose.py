@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import typer
 
-from common.cli import app
-from common.settings import Settings
+from cli.main import app
+from common.infra.settings import Settings
 from tests.stack import COMPOSE, LONG_RUNNING, ROOT, load_compose
 
 _spec = importlib.util.spec_from_file_location("docker_requirements", ROOT / "docker" / "requirements.py")

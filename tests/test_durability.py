@@ -99,7 +99,7 @@ def test_sigkill_of_the_worker_mid_run(stack: FaultStack, workers: list[Process]
 
 
 def test_sigkill_mid_chunk_of_batch_rows(stack: FaultStack, workers: list[Process]) -> None:
-    """Batch rows come many to a message and run as one chunk (worker/chunk_runner.py): a worker killed with a
+    """Batch rows come many to a message and run as one chunk (worker/jobs/chunk_runner.py): a worker killed with a
     chunk half done loses only its unfinished rows' work, which runs again; no row gets two results, and the
     batch still completes with every row in its output."""
     first = start_worker(stack, workers)
@@ -235,7 +235,7 @@ def test_crash_between_the_s3_write_and_the_sql_commit(stack: FaultStack, worker
 
 def test_a_poison_job_ends_dead_and_the_others_flow(stack: FaultStack, workers: list[Process]) -> None:
     """The poison kills whichever worker runs it. Each time, the jobs beside it lose an attempt too; a last
-    attempt runs alone (worker/solo_gate.py), so only the poison uses all of its attempts up."""
+    attempt runs alone (worker/jobs/solo_gate.py), so only the poison uses all of its attempts up."""
     poison = "poison"
     start_worker(stack, workers, faults=f"poison:{poison}")
     texts = prompts("flow", 15)
@@ -246,7 +246,7 @@ def test_a_poison_job_ends_dead_and_the_others_flow(stack: FaultStack, workers: 
     report = stack.report(job_ids)
     assert report.statuses == {"succeeded": 15, "dead": 1}, report
     assert report.clean, report
-    from common.models import Job
+    from common.domain.models import Job
 
     with stack._db().session() as session:
         dead = session.get(Job, poison_id)

@@ -26,7 +26,7 @@ from tests.conftest import ApiServer, settings_from_env
 from tests.fault_stack import free_port
 from tests.hf_reference import hf_messages, hf_reference_answer
 from tests.stack import metric_values
-from worker.model_loader import load_model
+from worker.inference.model_loader import load_model
 
 WORDS = "what colour is the shape describe this picture briefly how many things can you see here".split()
 
@@ -78,7 +78,7 @@ def test_twenty_jobs_through_the_service_match_hf(service_env: dict[str, str], t
            "VLMQ_PREPARE_PROCESSES": prepare_processes, "VLMQ_METRICS_PORT": str(metrics_port := free_port())}
     log_path = tmp_path / "worker.log"
     with log_path.open("wb") as log:
-        worker = subprocess.Popen([sys.executable, "-m", "common.cli", "worker", "--loglevel", "WARNING"],
+        worker = subprocess.Popen([sys.executable, "-m", "cli.main", "worker", "--loglevel", "WARNING"],
                                   env=env, stdout=log, stderr=subprocess.STDOUT)
     settings = settings_from_env(service_env,
                         model=str(tiny_llava_path))

@@ -10,20 +10,20 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from common.db import Database, get_database
-from common.settings import Settings, get_settings
-from common.storage import ObjectStore, make_store
-from worker.batcher import BatchingGenerator, EngineGenerator, Generator
-from worker.chunk_runner import ChunkRunner
-from worker.job_group import JobGroupRunner
-from worker.leases import LeaseKeeper
-from worker.pipeline import JobPipeline
-from worker.telemetry import WorkerTelemetry
+from common.infra.db import Database, get_database
+from common.infra.settings import Settings, get_settings
+from common.infra.storage import ObjectStore, make_store
+from worker.inference.batcher import BatchingGenerator, EngineGenerator, Generator
+from worker.jobs.chunk_runner import ChunkRunner
+from worker.jobs.group import JobGroupRunner
+from worker.jobs.leases import LeaseKeeper
+from worker.jobs.pipeline import JobPipeline
+from worker.jobs.telemetry import WorkerTelemetry
 
 if TYPE_CHECKING:
-    from worker.engine.config import EngineConfig
-    from worker.model_loader import LoadedModel
-    from worker.prepare_pool import PreparePool
+    from worker.engine.core.config import EngineConfig
+    from worker.inference.model_loader import LoadedModel
+    from worker.jobs.prepare_pool import PreparePool
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class WorkerContext:
 def build_context(settings: Settings) -> WorkerContext:
     import torch
 
-    from worker.model_loader import default_max_tokens, load_model
+    from worker.inference.model_loader import default_max_tokens, load_model
 
     if not settings.model:
         raise RuntimeError("no model configured: set VLMQ_MODEL (an HF model id or a local path)")
@@ -64,7 +64,7 @@ def build_context(settings: Settings) -> WorkerContext:
     log.info("worker %s loading model %s on %s (%s)", worker_id, settings.model, settings.device, settings.dtype)
     generator = engine_process(settings) if settings.engine_process else None
     if settings.backend == "null":
-        from worker.null_generator import NullGenerator
+        from worker.inference.null_generator import NullGenerator
 
         generator = NullGenerator(load_model(settings.model, dtype=dtype, weights=False,
                                              torch_resize=settings.image_resize == "torch"))
@@ -77,7 +77,7 @@ def build_context(settings: Settings) -> WorkerContext:
     pipeline = JobPipeline(settings, db, store, generator, leases, worker_id, prepare_pool(settings, generator))
     telemetry = WorkerTelemetry(settings, generator, leases, worker_id, pipeline.clock,
                                 pipeline.prepare_pool).start()
-    # A message may arrive while all but one of the worker's slots are taken (worker/prefetch_share.py): its
+    # A message may arrive while all but one of the worker's slots are taken (worker/jobs/prefetch_share.py): its
     # jobs then briefly exceed worker_concurrency by up to job_ids_per_message - 1.
     pool = JobGroupRunner(pipeline, settings.worker_concurrency + settings.job_ids_per_message)
     chunks = ChunkRunner(pipeline, pool)
@@ -85,7 +85,7 @@ def build_context(settings: Settings) -> WorkerContext:
 
 
 def engine_config(settings: Settings) -> EngineConfig:
-    from worker.engine.config import EngineConfig
+    from worker.engine.core.config import EngineConfig
 
     return EngineConfig(
         block_size=settings.kv_block_size, num_kv_blocks=settings.kv_num_blocks,
@@ -107,7 +107,7 @@ def engine_process(settings: Settings) -> Generator | None:
 
     from worker.engine.families import get_family
     from worker.engine.process import EngineProcess, EngineSpec
-    from worker.model_loader import load_model
+    from worker.inference.model_loader import load_model
 
     if settings.backend in ("hf", "null"):
         return None
@@ -128,7 +128,7 @@ def engine_process(settings: Settings) -> Generator | None:
 def prepare_pool(settings: Settings, generator: Generator) -> PreparePool | None:
     """The pool of settings.prepare_processes, where the generator takes the paged engine's inputs from anywhere
     (the HF backend batches prepared inputs of its own)."""
-    from worker.prepare_pool import PreparePool
+    from worker.jobs.prepare_pool import PreparePool
 
     if settings.prepare_processes == 0:
         return None
@@ -145,7 +145,7 @@ def make_backend(loaded: LoadedModel, settings: Settings) -> Generator:
     from worker.engine.engine import Engine
     from worker.engine.families import get_family
     from worker.engine.service import EngineService
-    from worker.hf_runner import HFBatchRunner
+    from worker.inference.hf_runner import HFBatchRunner
 
     use_engine = settings.backend == "engine"
     if settings.backend == "auto":

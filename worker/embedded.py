@@ -19,11 +19,11 @@ from celery.worker import WorkController
 from celery.worker import state as worker_state
 from sqlalchemy import update
 
-from common import batches, jobs
-from common.db import get_database, rowcount
-from common.models import Job, JobStatus, utcnow
-from common.queue import ingest_queue, send_ingest_batch, send_sweep_batches
-from common.settings import Settings
+from common.broker.queue import ingest_queue, send_ingest_batch, send_sweep_batches
+from common.domain import batches, jobs
+from common.domain.models import Job, JobStatus, utcnow
+from common.infra.db import get_database, rowcount
+from common.infra.settings import Settings
 from worker.context import get_context
 from worker.tasks import register_tasks
 

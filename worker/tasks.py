@@ -1,4 +1,4 @@
-"""Thin Celery tasks; the work is in worker.pipeline, worker.ingest and worker.finalize.
+"""Thin Celery tasks; the work is in worker.jobs.pipeline, worker.batches.ingest and worker.batches.finalize.
 
 Only run_job needs the model: batch tasks use a light context (settings, database, object store) built on
 first use, so a `vlmq ingest-worker` process never imports torch and a GPU worker's model is not loaded for
@@ -16,11 +16,8 @@ from datetime import timedelta
 from celery import Celery, Task
 from celery.signals import task_received
 
-from common import batches, dispatch, jobs
-from common.db import Database, get_database
-from common.debounce import Debouncer
-from common.models import JobStatus, utcnow
-from common.queue import (
+from common.broker import dispatch
+from common.broker.queue import (
     TASK_CANCEL_BATCH,
     TASK_FINALIZE_BATCH,
     TASK_INGEST_BATCH,
@@ -32,11 +29,15 @@ from common.queue import (
     send_ingest_batch,
     send_run_jobs,
 )
-from common.settings import Settings, get_settings
-from common.storage import ObjectStore, make_store
+from common.domain import batches, jobs
+from common.domain.models import JobStatus, utcnow
+from common.infra.db import Database, get_database
+from common.infra.debounce import Debouncer
+from common.infra.settings import Settings, get_settings
+from common.infra.storage import ObjectStore, make_store
 from worker.context import WorkerContext, get_context
-from worker.pipeline import Outcome
-from worker.prefetch_share import PrefetchShare
+from worker.jobs.pipeline import Outcome
+from worker.jobs.prefetch_share import PrefetchShare
 
 log = logging.getLogger(__name__)
 
@@ -53,11 +54,11 @@ class BatchContext:
 # Keyed by the app itself, weakly: an id() outlives its app and may be reused by the next one.
 _batch_contexts: weakref.WeakKeyDictionary[Celery, BatchContext] = weakref.WeakKeyDictionary()
 # Follow-ups of ended jobs (dispatch top-ups per tenant and model, finalize checks per batch) run on one
-# background thread, at most once per interval for each key (common/debounce.py).
+# background thread, at most once per interval for each key (common/infra/debounce.py).
 AFTER_JOB_INTERVAL_SECONDS = 0.1
 _after_job_work = Debouncer(AFTER_JOB_INTERVAL_SECONDS, name="vlmq-after-job")
 _batch_lock = threading.Lock()
-# Slots of the worker's prefetch taken by messages of several jobs (worker/prefetch_share.py).
+# Slots of the worker's prefetch taken by messages of several jobs (worker/jobs/prefetch_share.py).
 _prefetch = PrefetchShare()
 
 
@@ -89,7 +90,7 @@ def register_tasks(app: Celery) -> None:
     # task is registered on every app made later in the process too, where it would run against this one.
     @app.task(shared=False, name=TASK_RUN_JOB, bind=True, acks_late=True, max_retries=None)
     def run_job(self: Task, job_ids: str | list[str]) -> str | list[str]:
-        """One job (its id), or several sent together (a list of ids: common/queue.run_job_args)."""
+        """One job (its id), or several sent together (a list of ids: common/broker/queue.run_job_args)."""
         try:
             # The app's settings: in an embedded run they are the run's, not the environment's.
             ctx = get_context(app_settings(app))
@@ -112,8 +113,8 @@ def register_tasks(app: Celery) -> None:
 
     @app.task(shared=False, name=TASK_INGEST_BATCH, bind=True, acks_late=True, max_retries=BATCH_TASK_RETRIES)
     def ingest_batch(self: Task, batch_id: str) -> str:
-        from worker.ingest import IngestDeps
-        from worker.ingest import ingest_batch as ingest
+        from worker.batches.ingest import IngestDeps
+        from worker.batches.ingest import ingest_batch as ingest
 
         ctx = batch_context(app)
 
@@ -132,7 +133,7 @@ def register_tasks(app: Celery) -> None:
 
     @app.task(shared=False, name=TASK_FINALIZE_BATCH, bind=True, acks_late=True, max_retries=BATCH_TASK_RETRIES)
     def finalize_batch(self: Task, batch_id: str) -> str:
-        from worker.finalize import finalize_batch as finalize
+        from worker.batches.finalize import finalize_batch as finalize
 
         ctx = batch_context(app)
         try:
@@ -143,8 +144,8 @@ def register_tasks(app: Celery) -> None:
 
     @app.task(shared=False, name=TASK_CANCEL_BATCH, bind=True, acks_late=True, max_retries=BATCH_TASK_RETRIES)
     def cancel_batch(self: Task, batch_id: str) -> str:
-        from worker.finalize import cancel_batch_jobs
-        from worker.finalize import finalize_batch as finalize
+        from worker.batches.finalize import cancel_batch_jobs
+        from worker.batches.finalize import finalize_batch as finalize
 
         ctx = batch_context(app)
         try:
@@ -158,8 +159,8 @@ def register_tasks(app: Celery) -> None:
     def sweep_batches(self: Task) -> int:
         """Periodic (beat): requeue jobs whose worker died, top up every tenant's dispatch window, expire
         batches past their window, finalize those a trigger missed, and delete expired files."""
-        from common.file_expiry import delete_expired_files
-        from worker.finalize import due_batches, expire_batch, expire_due
+        from common.domain.file_expiry import delete_expired_files
+        from worker.batches.finalize import due_batches, expire_batch, expire_due
 
         ctx = batch_context(app)
         with ctx.db.session() as session:
@@ -184,7 +185,7 @@ def register_tasks(app: Celery) -> None:
 
 
 def _run_jobs(task: Task, app: Celery, ctx: WorkerContext, job_ids: list[str]) -> list[str]:
-    """The rows of one message as a chunk (worker/chunk_runner.py); those to run again (released, or not
+    """The rows of one message as a chunk (worker/jobs/chunk_runner.py); those to run again (released, or not
     reached for SQL trouble) go back in one message of their own, as a lone job's message would be retried."""
     task_id = task.request.id
 
@@ -210,7 +211,7 @@ def _run_jobs(task: Task, app: Celery, ctx: WorkerContext, job_ids: list[str]) -
 def _republish_lost(ctx: BatchContext) -> None:
     """Jobs whose message the broker lost (a Redis restart without persistence) are marked unsent, so the
     top-up that follows sends them again. SQL is the truth; the broker's contents are rebuilt from it."""
-    from common.broker_messages import BrokerNotInspectable, live_job_ids
+    from common.broker.messages import BrokerNotInspectable, live_job_ids
 
     try:
         live = live_job_ids(ctx.settings.broker_url, unacked_max_age=ctx.settings.republish_grace_seconds)
@@ -229,7 +230,7 @@ def _resend_lost_ingestions(app: Celery, ctx: BatchContext) -> None:
     persistence) get it again; they would otherwise wait, unread, until their completion window expired. A
     message sent twice is harmless: ingestion resumes after the last committed chunk, and two ingesters of
     one batch cannot both commit the same chunk (batches.advance_ingestion)."""
-    from common.broker_messages import BrokerNotInspectable, live_ingested_batch_ids
+    from common.broker.messages import BrokerNotInspectable, live_ingested_batch_ids
 
     try:
         live = live_ingested_batch_ids(ctx.settings.broker_url)

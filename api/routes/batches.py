@@ -19,13 +19,13 @@ from api.deps import AppState, SessionDep, StateDep
 from api.errors import error_responses
 from api.limits import open_jobs_guard
 from api.routes.files import list_page
-from common import batches
-from common.batch_input import CHAT_URL
-from common.file_expiry import ExpiresAfter
-from common.models import Batch, BatchStatus, FileRecord
-from common.queue import send_cancel_batch, send_ingest_batch
-from common.schemas import StorableBody
-from common.submission import SubmissionError, resolve_model
+from common.broker.queue import send_cancel_batch, send_ingest_batch
+from common.domain import batches
+from common.domain.batch_input import CHAT_URL
+from common.domain.file_expiry import ExpiresAfter
+from common.domain.models import Batch, BatchStatus, FileRecord
+from common.domain.schemas import StorableBody
+from common.domain.submission import SubmissionError, resolve_model
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/batches", tags=["batches"])
@@ -39,7 +39,7 @@ class BatchCreate(StorableBody):
     endpoint: str
     completion_window: str
     metadata: dict[str, str] | None = None
-    # The output and error files expire this long after they are written (common/file_expiry.py).
+    # The output and error files expire this long after they are written (common/domain/file_expiry.py).
     output_expires_after: ExpiresAfter | None = None
     # vlmq extension (openai client: extra_body): a zip or tar of images that input lines name by relative
     # path, e.g. {"type": "image_url", "image_url": {"url": "images/cat.png"}}; CSV input files need one too.

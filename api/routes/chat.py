@@ -24,9 +24,9 @@ from api.job_intake import submit
 from api.job_waiter import EndedJob, JobWaiter
 from api.json_body import INLINE_BODY_BYTES, body_schema, load_object, validate
 from api.limits import open_jobs_guard
-from common.models import JobStatus
-from common.schemas import ChatCompletion, ChatCompletionRequest
-from common.views import chat_completion
+from common.domain.models import JobStatus
+from common.domain.schemas import ChatCompletion, ChatCompletionRequest
+from common.domain.views import chat_completion
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/chat", tags=["chat"])

@@ -20,11 +20,11 @@ from api.limits import open_jobs_guard
 from api.routes.batches import BatchCreate, create
 from api.routes.files import add_uploaded, content_type
 from api.upload import receive_upload
-from common import storable
-from common.batch_input import CHAT_URL
-from common.files import discard_files, file_key
-from common.models import new_file_id
-from common.submission import SubmissionError
+from common.domain import storable
+from common.domain.batch_input import CHAT_URL
+from common.domain.files import discard_files, file_key
+from common.domain.models import new_file_id
+from common.domain.submission import SubmissionError
 
 router = APIRouter(prefix="/v1/datasets", tags=["batches"])
 

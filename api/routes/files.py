@@ -18,12 +18,12 @@ from api.auth import TenantDep
 from api.deps import AppState, SessionDep, StateDep
 from api.errors import error_responses
 from api.upload import UploadedFile, receive_upload
-from common import batches
-from common.file_expiry import MAX_SECONDS, MIN_SECONDS, ExpiresAfter
-from common.files import add_file, file_key, file_view, open_reader
-from common.models import FileRecord, new_file_id
-from common.storage import ObjectNotFound
-from common.submission import SubmissionError
+from common.domain import batches
+from common.domain.file_expiry import MAX_SECONDS, MIN_SECONDS, ExpiresAfter
+from common.domain.files import add_file, file_key, file_view, open_reader
+from common.domain.models import FileRecord, new_file_id
+from common.domain.submission import SubmissionError
+from common.infra.storage import ObjectNotFound
 
 router = APIRouter(prefix="/v1/files", tags=["files"])
 

@@ -7,8 +7,8 @@ from fastapi import APIRouter, File, HTTPException, UploadFile
 from api.auth import TenantDep
 from api.deps import SessionDep, SettingsDep, StorageDep
 from api.errors import error_responses
-from common.schemas import ImageView
-from common.stored_images import IMAGE_ID_RE, StoredImage, image_public_id, owned_image, store_image
+from common.domain.schemas import ImageView
+from common.images.stored import IMAGE_ID_RE, StoredImage, image_public_id, owned_image, store_image
 
 router = APIRouter(prefix="/v1/images", tags=["images"])
 

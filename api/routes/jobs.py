@@ -19,14 +19,14 @@ from api.errors import error_responses
 from api.job_intake import submit
 from api.json_body import INLINE_BODY_BYTES, body_schema, parse, validate
 from api.limits import open_jobs_guard
-from common import batches, jobs, storable
-from common.models import Job, JobStatus
-from common.queue import send_finalize_batch
-from common.schemas import JobCreate, JobList, JobView
-from common.storage import ObjectNotFound
-from common.stored_images import image_public_id, store_image
-from common.submission import SubmissionError
-from common.views import job_view, row_completion
+from common.broker.queue import send_finalize_batch
+from common.domain import batches, jobs, storable
+from common.domain.models import Job, JobStatus
+from common.domain.schemas import JobCreate, JobList, JobView
+from common.domain.submission import SubmissionError
+from common.domain.views import job_view, row_completion
+from common.images.stored import image_public_id, store_image
+from common.infra.storage import ObjectNotFound
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])

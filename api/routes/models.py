@@ -10,8 +10,8 @@ from fastapi.responses import JSONResponse
 
 from api.deps import StateDep
 from api.errors import error_body, error_responses
-from common.schemas import ModelList, ModelView
-from common.settings import Settings
+from common.domain.schemas import ModelList, ModelView
+from common.infra.settings import Settings
 
 router = APIRouter(prefix="/v1/models", tags=["models"])
 

@@ -67,8 +67,8 @@ def build(shape: Shape, device: str, dtype: torch.dtype, work: Path) -> Any:
         Qwen2Config,
     )
 
-    from worker.model_loader import LoadedModel, image_only_processor_class, load_processor
-    from worker.tiny_model import INTERNVL_CHAT_TEMPLATE, INTERNVL_TOKENS, build_tiny_internvl
+    from tests.tiny_families import INTERNVL_CHAT_TEMPLATE, INTERNVL_TOKENS, build_tiny_internvl
+    from worker.inference.model_loader import LoadedModel, image_only_processor_class, load_processor
 
     tiny = build_tiny_internvl(work / "tokenizer-source", seed=0)  # for its tokenizer and chat template
     tokenizer = load_processor(str(tiny)).tokenizer
@@ -132,7 +132,7 @@ def copy_bandwidth(device: str) -> float:
 
 
 def make_jobs(n: int, with_image: bool, max_tokens: int, size: int) -> list[Any]:
-    from worker.generation import GenerationRequest, SamplingParams
+    from worker.inference.generation import GenerationRequest, SamplingParams
 
     gen = torch.Generator().manual_seed(0)
     jobs = []
@@ -150,7 +150,7 @@ def make_jobs(n: int, with_image: bool, max_tokens: int, size: int) -> list[Any]
 
 def run_engine(loaded: Any, jobs: list[Any], concurrency: int, device: str) -> dict[str, float]:
     """All jobs submitted at once, `concurrency` sequences decoding together; TTFT from submission."""
-    from worker.engine.config import EngineConfig
+    from worker.engine.core.config import EngineConfig
     from worker.engine.engine import Engine
 
     engine = Engine(loaded, EngineConfig(max_num_seqs=concurrency, max_num_batched_tokens=8192,

@@ -21,7 +21,7 @@ down_revision: str | None = '0003'
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
-# Image parts of stored requests look like {"type": "image", "image_id": "<sha256>"} (common/submission.py).
+# Image parts of stored requests look like {"type": "image", "image_id": "<sha256>"} (common/domain/submission.py).
 _FROM_JOBS = {
     'postgresql': """
         INSERT INTO image_owners (tenant, image_id, created_at)

@@ -17,7 +17,7 @@ import pytest
 from openai import OpenAI
 from pydantic import ValidationError
 
-from common.settings import Settings
+from common.infra.settings import Settings
 from tests.api.test_jobs_api import MODEL, chat_body, png_bytes
 from tests.conftest import ApiServer, settings_from_env
 
@@ -133,7 +133,7 @@ def test_idempotency_keys_belong_to_their_tenant(server: ApiServer) -> None:
 
 
 def test_a_revoked_key_stops_working(server: ApiServer) -> None:
-    from common.apikeys import revoke_key
+    from common.domain.apikeys import revoke_key
 
     key = server.make_key("acme")
     with server.client(api_key=key) as client:

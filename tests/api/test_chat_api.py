@@ -16,8 +16,8 @@ import pytest
 from openai import OpenAI
 from sqlalchemy import event, select, update
 
-from common.models import Job, JobStatus
-from common.settings import Settings
+from common.domain.models import Job, JobStatus
+from common.infra.settings import Settings
 from tests.api.test_jobs_api import data_url, png_bytes
 from tests.conftest import ApiServer, settings_from_env
 

@@ -23,7 +23,7 @@ from tests.api.test_openai_batch import Stack, _raw, request_line, running_stack
 from tests.hf_reference import hf_messages, hf_reference_answer
 from tests.log_records import LogRecords
 from tests.test_end_to_end import make_jobs
-from worker.model_loader import load_model
+from worker.inference.model_loader import load_model
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ import httpx
 import pytest
 from PIL import Image
 
-from common.settings import Settings
+from common.infra.settings import Settings
 from tests.api.test_jobs_api import chat_body, data_url, png_bytes
 from tests.common.test_image_fetch import Server, redirect, send
 from tests.conftest import ApiServer, settings_from_env

@@ -13,15 +13,15 @@ from sqlalchemy import func, select
 
 from api.job_writer import JobWriter, _Pending
 from api.main import create_app
-from common.models import Job
-from common.settings import Settings
+from common.domain.models import Job
+from common.infra.settings import Settings
 
 REQUEST = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
            "sampling": {"max_tokens": 2, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "stop": []}}
 
 
 def test_writer_commits_together_and_survives_abandoned_requests(tmp_path: Path) -> None:
-    from common.migrate import upgrade
+    from common.infra.migrate import upgrade
 
     url = f"sqlite:///{tmp_path / 'w.db'}"
     upgrade(url)
@@ -47,7 +47,7 @@ def test_writer_commits_together_and_survives_abandoned_requests(tmp_path: Path)
 def test_one_unwritable_request_fails_alone_in_its_group(tmp_path: Path) -> None:
     """A request the database or the view cannot take (here metadata no JSON writer accepts, which the API's
     edge refuses but the writer must not rely on) fails on its own; its group's other requests are written."""
-    from common.migrate import upgrade
+    from common.infra.migrate import upgrade
 
     url = f"sqlite:///{tmp_path / 'w.db'}"
     upgrade(url)

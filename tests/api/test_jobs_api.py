@@ -14,7 +14,7 @@ import pytest
 import redis
 from PIL import Image
 
-from common.settings import Settings
+from common.infra.settings import Settings
 from tests.conftest import ApiServer, settings_from_env
 from tests.redis_text import text
 
@@ -275,8 +275,8 @@ def _messages(settings: Settings, queue: str) -> list[dict[str, Any]]:
 
 
 def test_cancelling_a_batchs_last_open_job_finalizes_the_batch(api: httpx.Client, settings: Settings) -> None:
-    from common import batches, jobs
-    from common.db import get_database
+    from common.domain import batches, jobs
+    from common.infra.db import get_database
 
     db = get_database(settings.database_url)
     with db.session() as session:

@@ -13,8 +13,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from common import jobs
-from common.worker_registry import Heartbeat, WorkerRegistry
+from common.domain import jobs
+from common.infra.worker_registry import Heartbeat, WorkerRegistry
 from tests.api.test_jobs_api import MODEL, chat_body
 from tests.conftest import ApiServer, settings_from_env
 

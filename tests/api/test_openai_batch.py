@@ -31,15 +31,15 @@ from openai import OpenAI
 from PIL import Image
 from sqlalchemy import update
 
-from common.db import get_database
-from common.models import Batch, utcnow
-from common.queue import make_celery, send_sweep_batches
-from common.settings import Settings
+from common.broker.queue import make_celery, send_sweep_batches
+from common.domain.models import Batch, utcnow
+from common.infra.db import get_database
+from common.infra.settings import Settings
 from tests.api.test_jobs_api import data_url, png_bytes
 from tests.conftest import ApiServer, settings_from_env
 from tests.hf_reference import hf_messages, hf_reference_answer
 from tests.test_end_to_end import make_image, make_jobs
-from worker.model_loader import load_model
+from worker.inference.model_loader import load_model
 
 MAX_FILE_BYTES = 200 * 1024
 FINAL = ("completed", "failed", "cancelled", "expired")
@@ -105,7 +105,7 @@ def running_stack(service_env: dict[str, str], tiny_llava_path: Path, logs: Path
     for name, args, extra in (("ingest", ["ingest-worker"], {}),
                               ("model", ["worker", "--no-ingest"], {"VLMQ_MODEL": str(tiny_llava_path)})):
         with (logs / f"{name}.log").open("wb") as log:
-            procs.append(subprocess.Popen([sys.executable, "-m", "common.cli", *args, "--loglevel", "WARNING"],
+            procs.append(subprocess.Popen([sys.executable, "-m", "cli.main", *args, "--loglevel", "WARNING"],
                                           env={**env, **extra}, stdout=log, stderr=subprocess.STDOUT))
     settings = settings_from_env(service_env, model=str(tiny_llava_path), max_file_bytes=MAX_FILE_BYTES,
                                  **api_settings)
@@ -138,8 +138,8 @@ def text_body(text: str, max_tokens: int = 1, image: bytes | None = None) -> dic
 def test_uploads_expire_as_asked_and_the_sweep_deletes_them(stack: Stack) -> None:
     """files.create(expires_after=...) as OpenAI's client sends it; a time outside 1 hour..30 days is a 400.
     Once past it, the maintenance sweep deletes the file, unless a batch is still ingesting it."""
-    from common.file_expiry import delete_expired_files
-    from common.models import FileRecord, utcnow
+    from common.domain.file_expiry import delete_expired_files
+    from common.domain.models import FileRecord, utcnow
 
     week: Any = {"anchor": "created_at", "seconds": 7 * 24 * 3600}  # the openai client's ExpiresAfter
     kept = stack.client.files.create(file=("kept.jsonl", b"{}\n"), purpose="batch")
@@ -374,7 +374,7 @@ def test_cli_batch_submit_wait_status_results(stack: Stack, tmp_path: Path) -> N
     env = {**stack.env, "VLMQ_API_URL": stack.url}
 
     def vlmq(*args: str, group: str = "batch") -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "common.cli", group, *args], env=env, capture_output=True,
+        return subprocess.run([sys.executable, "-m", "cli.main", group, *args], env=env, capture_output=True,
                               text=True, timeout=120)
 
     assert vlmq("submit", str(manifest)).returncode == 1  # no key: the API refuses
@@ -486,7 +486,7 @@ def test_bad_requests_are_4xx_with_a_message(stack: Stack) -> None:
 
 def test_embedded_mode_runs_batches(tiny_llava_path: Path, tmp_path: Path) -> None:
     """SQLite, the in-process broker and worker, a local object folder."""
-    from common.migrate import upgrade
+    from common.infra.migrate import upgrade
     from worker.context import get_context, set_context
     from worker.embedded import embedded_worker
 

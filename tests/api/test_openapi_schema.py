@@ -48,7 +48,7 @@ def _app_schema() -> dict:
     import tempfile
 
     from api.main import create_app
-    from common.settings import Settings
+    from common.infra.settings import Settings
 
     with tempfile.TemporaryDirectory() as folder:
         app = create_app(Settings(data_dir=Path(folder), database_url=f"sqlite:///{folder}/schema.db", model=MODEL))

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from common import served_model
+from common.domain import served_model
 from tests.conftest import ApiServer, settings_from_env
 from worker.demo import DEMO_MODEL_DIR
 

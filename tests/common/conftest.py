@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from common.db import Database
-from common.migrate import upgrade
+from common.infra.db import Database
+from common.infra.migrate import upgrade
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

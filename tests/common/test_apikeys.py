@@ -7,9 +7,9 @@ import uuid
 import pytest
 from sqlalchemy import select
 
-from common import apikeys
-from common.db import Database
-from common.models import ApiKey
+from common.domain import apikeys
+from common.domain.models import ApiKey
+from common.infra.db import Database
 
 
 def test_create_check_and_revoke(db: Database) -> None:

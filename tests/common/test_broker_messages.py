@@ -11,12 +11,13 @@ import pytest
 import redis
 from sqlalchemy import select
 
-from common import dispatch, jobs
-from common.broker_messages import BrokerNotInspectable, _job_ids, live_job_ids
-from common.db import Database
-from common.models import Job
-from common.queue import make_celery, model_sender
-from common.settings import Settings
+from common.broker import dispatch
+from common.broker.messages import BrokerNotInspectable, _job_ids, live_job_ids
+from common.broker.queue import make_celery, model_sender
+from common.domain import jobs
+from common.domain.models import Job
+from common.infra.db import Database
+from common.infra.settings import Settings
 from tests.redis_text import text
 
 

@@ -1,4 +1,4 @@
-"""kombu's Redis channel closed after the broker died (common/broker_transport.py), against a redis-server of
+"""kombu's Redis channel closed after the broker died (common/broker/transport.py), against a redis-server of
 the test's own that it kills and restarts."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from kombu import Connection, Consumer, Exchange, Message, Producer, Queue
 from kombu.common import ignore_errors
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from common.broker_transport import install
+from common.broker.transport import install
 from tests.fault_stack import RedisServer
 
 JOBS = Queue("jobs", Exchange("jobs", type="direct"), routing_key="jobs")

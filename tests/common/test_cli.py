@@ -17,7 +17,7 @@ from tests.conftest import free_port, wait_for_port
 
 
 def _vlmq(*args: str, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "common.cli", *args], env=env, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "cli.main", *args], env=env, capture_output=True, text=True,
                           timeout=timeout)
 
 
@@ -53,7 +53,7 @@ def test_embedded_api_submit_wait_and_status(tmp_path: Path, tiny_llava_path: Pa
     Image.new("RGB", (40, 30), (250, 10, 10)).save(image_path)
     log = (tmp_path / "api.log").open("wb")
     server = subprocess.Popen(
-        [sys.executable, "-m", "common.cli", "api", "--port", str(port), "--model", str(tiny_llava_path)],
+        [sys.executable, "-m", "cli.main", "api", "--port", str(port), "--model", str(tiny_llava_path)],
         # json: the INFO lines of our own loggers are written too, not only uvicorn's.
         env={**env, "VLMQ_LOG_FORMAT": "json"}, stdout=log, stderr=subprocess.STDOUT,
     )
@@ -96,7 +96,7 @@ def test_embedded_api_submit_wait_and_status(tmp_path: Path, tiny_llava_path: Pa
 def test_a_folder_of_images_is_zipped_without_links_out_of_it(tmp_path: Path) -> None:
     import zipfile
 
-    from common.batch_cli import images_archive
+    from common.images.archive import images_archive
 
     secret, folder = tmp_path / "secret.txt", tmp_path / "photos"
     secret.write_text("not for upload")

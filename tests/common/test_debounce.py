@@ -1,4 +1,4 @@
-"""common/debounce.py: follow-up work runs at most once per interval per key, on its own thread, and always
+"""common/infra/debounce.py: follow-up work runs at most once per interval per key, on its own thread, and always
 once more after the last request."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from common.debounce import Debouncer
+from common.infra.debounce import Debouncer
 
 
 def test_a_lone_request_runs_at_once_on_the_background_thread() -> None:

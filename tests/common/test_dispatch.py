@@ -1,7 +1,7 @@
 """Fair dispatch on SQLite and Postgres: each tenant holds a window of the broker, refilled as jobs end.
 
 The broker here is a priority queue in the test (FIFO within a priority, like Redis with priority steps) and
-the worker a loop that claims and finishes the next message through common.jobs, then tops up as a real
+the worker a loop that claims and finishes the next message through common.domain.jobs, then tops up as a real
 worker does after each job; SQL is the real database.
 """
 
@@ -14,9 +14,10 @@ from typing import Any
 import pytest
 from sqlalchemy import insert, select
 
-from common import dispatch, jobs
-from common.db import Database
-from common.models import Job, JobStatus, new_id, utcnow
+from common.broker import dispatch
+from common.domain import jobs
+from common.domain.models import Job, JobStatus, new_id, utcnow
+from common.infra.db import Database
 
 MODEL = "m"
 REQUEST: dict[str, Any] = {"messages": [], "sampling": {}}

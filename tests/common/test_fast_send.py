@@ -1,4 +1,4 @@
-"""run_job messages written directly into Redis (common/fast_send.py) are the ones Celery writes, and a real
+"""run_job messages written directly into Redis (common/broker/fast_send.py) are the ones Celery writes, and a real
 Celery worker runs them in priority order."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Any
 
 import redis
 
-from common.broker_messages import live_job_ids
-from common.queue import (
+from common.broker.messages import live_job_ids
+from common.broker.queue import (
     TASK_RUN_JOB,
     _direct_sender,
     celery_priority,
@@ -22,7 +22,7 @@ from common.queue import (
     run_job_args,
     send_run_jobs,
 )
-from common.settings import Settings
+from common.infra.settings import Settings
 from tests.redis_text import text
 
 
@@ -102,8 +102,8 @@ def test_grouped_messages_match_celerys_and_the_republisher_reads_them(redis_url
 _WORKER = """
 import sys
 import redis
-from common.queue import TASK_RUN_JOB, make_celery
-from common.settings import Settings
+from common.broker.queue import TASK_RUN_JOB, make_celery
+from common.infra.settings import Settings
 settings = Settings(broker_url=sys.argv[1], model="/models/fast-send", auth="on")
 app = make_celery(settings)
 client = redis.Redis.from_url(sys.argv[1])

@@ -1,18 +1,19 @@
-"""common/file_expiry.py: expired files deleted, rows and objects, but never under a batch still ingesting them."""
+"""common/domain/file_expiry.py: expired files deleted, rows and objects, but never under a batch still
+ingesting them."""
 
 from __future__ import annotations
 
 from datetime import timedelta
 from pathlib import Path
 
-from common import batches
-from common.db import get_database
-from common.file_expiry import ExpiresAfter, delete_expired_files
-from common.files import add_file, file_key
-from common.migrate import upgrade
-from common.models import Batch, BatchStatus, FileRecord, new_file_id, utcnow
-from common.settings import Settings
-from common.storage import make_store
+from common.domain import batches
+from common.domain.file_expiry import ExpiresAfter, delete_expired_files
+from common.domain.files import add_file, file_key
+from common.domain.models import Batch, BatchStatus, FileRecord, new_file_id, utcnow
+from common.infra.db import get_database
+from common.infra.migrate import upgrade
+from common.infra.settings import Settings
+from common.infra.storage import make_store
 
 
 def test_expired_files_go_unless_a_batch_is_still_ingesting_them(tmp_path: Path) -> None:

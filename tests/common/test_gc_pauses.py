@@ -7,7 +7,7 @@ import gc
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from common.gc_pauses import GcPauseCollector, gc_pause_clock
+from common.infra.gc_pauses import GcPauseCollector, gc_pause_clock
 
 
 def _values(registry: CollectorRegistry) -> dict[tuple[str, str], float]:

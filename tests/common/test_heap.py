@@ -11,8 +11,8 @@ from tests.stack import ROOT
 
 _PROBE = """
 import gc, json
-import sqlalchemy, celery, common.settings  # a start-up's worth of objects
-from common.heap import freeze_startup_heap
+import sqlalchemy, celery, common.infra.settings  # a start-up's worth of objects
+from common.infra.heap import freeze_startup_heap
 
 tracked_before = len(gc.get_objects())
 frozen = freeze_startup_heap()

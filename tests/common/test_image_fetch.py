@@ -1,4 +1,4 @@
-"""common.image_fetch against real local HTTP(S) servers. Nothing here reaches the internet: non-public
+"""common.images.fetch against real local HTTP(S) servers. Nothing here reaches the internet: non-public
 addresses are refused before any connection, and the positive cases serve from loopback, which a test
 allows explicitly (`allowed_networks`), under a made-up hostname mapped by the injected resolver."""
 
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from common.image_fetch import (
+from common.images.fetch import (
     FETCH_FAILED,
     NOT_ALLOWED,
     ImageFetcher,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from common.image_refs import KnownImages
+from common.images.refs import KnownImages
 
 
 def test_known_images_keep_the_most_recently_used() -> None:

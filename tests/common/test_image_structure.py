@@ -1,4 +1,4 @@
-"""Tests for common.image_structure and inspect_image(check="structure"): broken containers are refused
+"""Tests for common.images.structure and inspect_image(check="structure"): broken containers are refused
 without decoding a pixel, and what the structural check lets through is what the worker's decode handles."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import zlib
 import pytest
 from PIL import Image
 
-from common.image_structure import MAX_JPEG_MARKERS, StructureError, check_structure
-from common.images import ImageError, decode_image, inspect_image
+from common.images.decode import ImageError, decode_image, inspect_image
+from common.images.structure import MAX_JPEG_MARKERS, StructureError, check_structure
 from tests.common.test_images import _chunk, encode, no_pixel_decoding, noise_image  # noqa: F401 (fixture)
 
 MAX_PIXELS = 50_000_000

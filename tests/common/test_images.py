@@ -1,4 +1,4 @@
-"""Tests for common.images. Every image is built here with Pillow or by hand; no binary fixtures."""
+"""Tests for common.images.decode. Every image is built here with Pillow or by hand; no binary fixtures."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 from PIL import Image, ImageFile
 
-from common.images import (
+from common.images.decode import (
     DEFAULT_ALLOWED_FORMATS,
     ImageError,
     ImageInfo,

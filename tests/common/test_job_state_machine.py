@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 from sqlalchemy import delete, select, update
 
-from common import jobs
-from common.db import Database
-from common.models import TERMINAL_STATUSES, Job, JobStatus, utcnow
+from common.domain import jobs
+from common.domain.models import TERMINAL_STATUSES, Job, JobStatus, utcnow
+from common.infra.db import Database
 
 REQUEST = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
            "sampling": {"max_tokens": 4, "temperature": 0.0, "top_p": 1.0, "seed": None, "stop": []}}

@@ -9,10 +9,10 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import event, update
 
-from common import jobs
-from common.claimed_job import ClaimedJob
-from common.db import Database
-from common.models import Job, JobStatus, utcnow
+from common.domain import jobs
+from common.domain.claimed_job import ClaimedJob
+from common.domain.models import Job, JobStatus, utcnow
+from common.infra.db import Database
 
 REQUEST = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
            "sampling": {"max_tokens": 4, "temperature": 0.0, "top_p": 1.0, "seed": None, "stop": []}}

@@ -9,8 +9,8 @@ import socket
 import subprocess
 import sys
 
-from common.logs import FieldsFilter, JsonFormatter, log_fields
-from common.worker_registry import Heartbeat, WorkerRegistry
+from common.infra.logs import FieldsFilter, JsonFormatter, log_fields
+from common.infra.worker_registry import Heartbeat, WorkerRegistry
 
 
 def capture() -> tuple[logging.Logger, io.StringIO]:
@@ -47,7 +47,7 @@ def test_healthcheck_reads_this_hosts_record(redis_url: str) -> None:
     env = {"VLMQ_BROKER_URL": redis_url, "PATH": ""}
 
     def probe(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "common.cli", "healthcheck", *args], env=env,
+        return subprocess.run([sys.executable, "-m", "cli.main", "healthcheck", *args], env=env,
                               capture_output=True, text=True, timeout=60)
 
     assert probe("--role", "ingest").returncode == 1

@@ -1,4 +1,4 @@
-"""Prompts measured against the served model's context at submission (common/prompt_size.py), with the bundled
+"""Prompts measured against the served model's context at submission (common/domain/prompt_size.py), with the bundled
 demo model's own files (a 256-token context) and no model loaded."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 
-from common import served_model
-from common.prompt_size import _least_tokens, check_prompt_size
-from common.schemas import JobCreate
-from common.settings import DEMO_MODEL, Settings
-from common.submission_error import SubmissionError
+from common.domain import served_model
+from common.domain.prompt_size import _least_tokens, check_prompt_size
+from common.domain.schemas import JobCreate
+from common.domain.submission_error import SubmissionError
+from common.infra.settings import DEMO_MODEL, Settings
 from worker.demo import DEMO_MODEL_DIR
 
 CONTEXT = 256  # the demo model's max_position_embeddings

@@ -1,4 +1,4 @@
-"""common/queue.py: where tasks go."""
+"""common/broker/queue.py: where tasks go."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import kombu
 
-from common.queue import INGEST_QUEUE, TASK_FINALIZE_BATCH, ingest_queue, make_celery, send_finalize_batch
-from common.settings import Settings
+from common.broker.queue import INGEST_QUEUE, TASK_FINALIZE_BATCH, ingest_queue, make_celery, send_finalize_batch
+from common.infra.settings import Settings
 
 
 def test_embedded_setups_in_one_process_keep_their_batch_tasks_apart(tmp_path: Path, monkeypatch) -> None:
@@ -58,10 +58,10 @@ def test_an_idle_embedded_consumer_takes_a_message_at_once(tmp_path: Path) -> No
 
 def test_an_idle_embedded_worker_stops_at_once(tmp_path: Path) -> None:
     """Celery's loop for the in-process broker looked for a stop only between drains of up to two seconds, and
-    every `vlmq run` waited that long at its end (common/embedded_transport.py)."""
+    every `vlmq run` waited that long at its end (common/broker/embedded_transport.py)."""
     from concurrent.futures import Future
 
-    from common.migrate import upgrade
+    from common.infra.migrate import upgrade
     from worker.embedded import embedded_worker
 
     settings = Settings(data_dir=tmp_path, model="not-loaded")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from common import storable
+from common.domain import storable
 
 
 @pytest.mark.parametrize("raw", ['{"a": NaN}', '{"a": Infinity}', '{"a": -Infinity}', '{"a": 1e999}',

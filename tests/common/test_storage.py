@@ -11,8 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from common.settings import Settings
-from common.storage import LocalObjectStore, ObjectNotFound, ObjectStore, S3ObjectStore, make_store
+from common.infra.settings import Settings
+from common.infra.storage import LocalObjectStore, ObjectNotFound, ObjectStore, S3ObjectStore, make_store
 
 S3_ENDPOINTS = ["s3_endpoint", "rclone_s3_endpoint"]
 

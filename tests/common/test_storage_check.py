@@ -1,4 +1,4 @@
-"""A service process whose object store cannot be used says why in one line and exits 1 (common/storage_check.py);
+"""A service process whose object store cannot be used says why in one line and exits 1 (common/infra/storage_check.py);
 it crashed with an 82-line botocore traceback when the README's service block (which named no credentials) was
 pasted as written."""
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from common.settings import Settings
-from common.storage_check import object_store_problem
+from common.infra.settings import Settings
+from common.infra.storage_check import object_store_problem
 from tests.conftest import free_port
 
 
@@ -29,7 +29,7 @@ def _isolated_env(tmp_path: Path, **vlmq: str) -> dict[str, str]:
 
 
 def _start(command: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "common.cli", command], env=env, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "cli.main", command], env=env, capture_output=True, text=True,
                           timeout=120)
 
 

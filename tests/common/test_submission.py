@@ -1,4 +1,5 @@
-"""common/submission.py: a request checked and normalised into a job's stored request (SQLite, a local folder)."""
+"""common/domain/submission.py: a request checked and normalised into a job's stored request (SQLite, a local
+folder)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,13 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from common.db import get_database
-from common.migrate import upgrade
-from common.schemas import ChatCompletionRequest, JobCreate
-from common.settings import Settings
-from common.storage import make_store
-from common.stored_images import owned_image, store_image
-from common.submission import SubmissionError, needs_session, normalize_request
+from common.domain.schemas import ChatCompletionRequest, JobCreate
+from common.domain.submission import SubmissionError, needs_session, normalize_request
+from common.images.stored import owned_image, store_image
+from common.infra.db import get_database
+from common.infra.migrate import upgrade
+from common.infra.settings import Settings
+from common.infra.storage import make_store
 from tests.api.test_jobs_api import chat_body, data_url, png_bytes
 
 
@@ -90,8 +91,8 @@ def test_a_request_without_max_tokens_takes_the_models_default(tmp_path: Path) -
     the model, and the demo model spent them on noise."""
     import json
 
-    from worker.job_request import JobImages, generation_request
-    from worker.model_loader import default_max_tokens
+    from worker.inference.model_loader import default_max_tokens
+    from worker.jobs.request import JobImages, generation_request
 
     settings = Settings(data_dir=tmp_path, default_max_tokens=40, max_tokens_limit=100)
     stored = normalize_request(ChatCompletionRequest.model_validate(

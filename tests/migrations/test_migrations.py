@@ -12,9 +12,9 @@ from alembic.migration import MigrationContext
 from sqlalchemy import MetaData, Table, inspect, text
 from sqlalchemy.orm import Session
 
-from common.db import make_engine
-from common.migrate import upgrade
-from common.models import Base, ImageOwner
+from common.domain.models import Base, ImageOwner
+from common.infra.db import make_engine
+from common.infra.migrate import upgrade
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

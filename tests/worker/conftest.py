@@ -18,27 +18,27 @@ def _cpu_kernels_first(cpu_kernels_built: None) -> None:
 
 @pytest.fixture(scope="session")
 def tiny_llava_siglip_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from worker.tiny_model import build_tiny_llava
+    from worker.inference.tiny_model import build_tiny_llava
 
     return build_tiny_llava(tmp_path_factory.mktemp("tiny_llava_siglip"), seed=1, vision="siglip")
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen2_vl_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from worker.tiny_model import build_tiny_qwen2_vl
+    from tests.tiny_families import build_tiny_qwen2_vl
 
     return build_tiny_qwen2_vl(tmp_path_factory.mktemp("models") / "tiny-qwen2-vl", seed=0)
 
 
 @pytest.fixture(scope="session")
 def tiny_internvl_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from worker.tiny_model import build_tiny_internvl
+    from tests.tiny_families import build_tiny_internvl
 
     return build_tiny_internvl(tmp_path_factory.mktemp("models") / "tiny-internvl", seed=0)
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen2_5_vl_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from worker.tiny_model import build_tiny_qwen2_vl
+    from tests.tiny_families import build_tiny_qwen2_vl
 
     return build_tiny_qwen2_vl(tmp_path_factory.mktemp("models") / "tiny-qwen2.5-vl", seed=0, version="2.5")

@@ -1,4 +1,4 @@
-"""worker.archive on hostile zips and tars, built here byte by byte, read from a local object folder."""
+"""worker.batches.archive on hostile zips and tars, built here byte by byte, read from a local object folder."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from common.storage import LocalObjectStore
-from worker.archive import ArchiveError, ArchiveLimits, Member, members, normalize_path
+from common.infra.storage import LocalObjectStore
+from worker.batches.archive import ArchiveError, ArchiveLimits, Member, members, normalize_path
 
 PNG = b"\x89PNG\r\n\x1a\n" + b"not really, but bytes are bytes here" * 3
 LIMITS = ArchiveLimits(member_bytes=20 * 1024 * 1024, entries=1000, total_bytes=200 * 1024 * 1024, ratio=100)

@@ -1,11 +1,12 @@
-"""worker/batcher.py: greedy cross-job batching in front of the HF backend, with a backend that stands in for it."""
+"""worker/inference/batcher.py: greedy cross-job batching in front of the HF backend, with a backend that stands
+in for it."""
 
 from __future__ import annotations
 
 import pytest
 
-from worker.batcher import BatchingGenerator, EngineGenerator
-from worker.generation import GenerationResult, InputError
+from worker.inference.batcher import BatchingGenerator, EngineGenerator
+from worker.inference.generation import GenerationResult, InputError
 
 
 class _Backend:
@@ -62,7 +63,7 @@ def test_only_the_paged_engines_fronts_take_inputs_prepared_elsewhere() -> None:
     child is one; the HF batcher (its inputs are its own) and the null generator are not."""
     from worker.engine.process import EngineProcess
     from worker.engine.service import EngineService
-    from worker.null_generator import NullGenerator
+    from worker.inference.null_generator import NullGenerator
 
     for front in (EngineService, EngineProcess):
         assert isinstance(object.__new__(front), EngineGenerator)

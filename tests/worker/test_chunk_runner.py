@@ -1,4 +1,4 @@
-"""worker/chunk_runner.py: the rows of one run_job message claimed together, fed to the model from the message's
+"""worker/jobs/chunk_runner.py: the rows of one run_job message claimed together, fed to the model from the message's
 thread and finished as each ends; on SQLite and a local folder, with a model that stands in for the engine."""
 
 from __future__ import annotations
@@ -12,17 +12,17 @@ from pathlib import Path
 import pytest
 from sqlalchemy import update
 
-from common import jobs
-from common.db import Database, get_database
-from common.migrate import upgrade
-from common.models import Job, JobStatus
-from common.settings import Settings
-from common.storage import ObjectStore, make_store, result_key
-from worker.chunk_runner import ChunkRunner
-from worker.generation import GenerationRequest, GenerationResult, InputError
-from worker.job_group import JobGroupRunner
-from worker.leases import LeaseKeeper
-from worker.pipeline import JobPipeline, Outcome
+from common.domain import jobs
+from common.domain.models import Job, JobStatus
+from common.infra.db import Database, get_database
+from common.infra.migrate import upgrade
+from common.infra.settings import Settings
+from common.infra.storage import ObjectStore, make_store, result_key
+from worker.inference.generation import GenerationRequest, GenerationResult, InputError
+from worker.jobs.chunk_runner import ChunkRunner
+from worker.jobs.group import JobGroupRunner
+from worker.jobs.leases import LeaseKeeper
+from worker.jobs.pipeline import JobPipeline, Outcome
 
 MODEL = "stand-in"
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from common.settings import Settings
-from worker.batcher import BatchingGenerator
+from common.infra.settings import Settings
 from worker.context import engine_process
 from worker.engine.process import EngineProcess
+from worker.inference.batcher import BatchingGenerator
 
 
 def test_the_default_is_the_engine_in_a_child_process(tiny_llava_path: Path) -> None:
@@ -25,7 +25,7 @@ def test_the_default_is_the_engine_in_a_child_process(tiny_llava_path: Path) -> 
 
 def test_the_hf_backend_loads_the_model_here(tiny_llava_path: Path) -> None:
     from worker.context import make_backend
-    from worker.model_loader import load_model
+    from worker.inference.model_loader import load_model
 
     settings = Settings(model=str(tiny_llava_path), backend="hf")
     assert engine_process(settings) is None
@@ -37,7 +37,7 @@ def test_the_hf_backend_loads_the_model_here(tiny_llava_path: Path) -> None:
 
 
 def test_the_image_resize_setting_reaches_the_processor_that_prepares_jobs(tiny_llava_path: Path) -> None:
-    from worker.image_resize import torch_resize_in_use, use_torch_resize
+    from worker.inference.image_resize import torch_resize_in_use, use_torch_resize
 
     generator = engine_process(Settings(model=str(tiny_llava_path), kv_num_blocks=64, image_resize="pillow"))
     assert generator is not None

@@ -15,19 +15,19 @@ from typing import Any
 import pytest
 from sqlalchemy import select
 
-from common.batch_input import LineError
-from common.db import Database, get_database
-from common.files import add_file, file_key
-from common.models import Batch, BatchLineError, new_file_id
-from common.settings import Settings
-from common.storage import ObjectStore, make_store
-from common.stored_images import owned_image
+from common.domain.batch_input import LineError
+from common.domain.files import add_file, file_key
+from common.domain.models import Batch, BatchLineError, new_file_id
+from common.images.stored import owned_image
+from common.infra.db import Database, get_database
+from common.infra.settings import Settings
+from common.infra.storage import ObjectStore, make_store
 from tests.api.test_jobs_api import png_bytes
 from tests.conftest import settings_from_env
 from tests.worker.test_ingest import MODEL, Recorder, batch_jobs, get_batch, line_errors
-from worker.archive import normalize_path
-from worker.dataset import iter_csv_lines
-from worker.ingest import IngestDeps, ingest_batch
+from worker.batches.archive import normalize_path
+from worker.batches.dataset import iter_csv_lines
+from worker.batches.ingest import IngestDeps, ingest_batch
 
 RED, GREEN = png_bytes((200, 0, 0), (8, 6)), png_bytes((0, 200, 0), (6, 8))
 
@@ -58,7 +58,7 @@ def upload(db: Database, store: ObjectStore, data: bytes, filename: str) -> str:
 
 
 def dataset_batch(db: Database, store: ObjectStore, manifest: bytes, manifest_name: str, archive: bytes) -> str:
-    from common import batches
+    from common.domain import batches
 
     input_id = upload(db, store, manifest, manifest_name)
     images_id = upload(db, store, archive, "images.bin")

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import kombu
 
-from common import batches
-from common.db import get_database
-from common.migrate import upgrade
-from common.queue import TASK_INGEST_BATCH, ingest_queue, make_celery
-from common.settings import Settings
+from common.broker.queue import TASK_INGEST_BATCH, ingest_queue, make_celery
+from common.domain import batches
+from common.infra.db import get_database
+from common.infra.migrate import upgrade
+from common.infra.settings import Settings
 from worker.embedded import resume_ingestions
 
 

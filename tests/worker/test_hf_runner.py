@@ -9,9 +9,9 @@ import pytest
 import torch
 from PIL import Image
 
-from worker.generation import GenerationRequest, GenerationResult, InputError, SamplingParams
-from worker.hf_runner import HFBatchRunner
-from worker.model_loader import LoadedModel, load_model
+from worker.inference.generation import GenerationRequest, GenerationResult, InputError, SamplingParams
+from worker.inference.hf_runner import HFBatchRunner
+from worker.inference.model_loader import LoadedModel, load_model
 
 _WORD_TEXT = (
     "describe the picture what colour is it tell me a story about this image how many shapes are there"

@@ -9,8 +9,8 @@ import torch
 from PIL import Image
 
 from tests.worker.test_image_resize import PROCESSORS, photo
-from worker.image_array import for_processor, to_array
-from worker.image_resize import use_torch_resize
+from worker.inference.image_array import for_processor, to_array
+from worker.inference.image_resize import use_torch_resize
 
 
 @pytest.mark.parametrize(("height", "width"), [(1, 1), (1, 7), (3, 3), (5, 1), (224, 224), (1200, 1600),

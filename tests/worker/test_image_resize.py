@@ -21,9 +21,9 @@ from transformers import (
 from transformers.image_transforms import resize as pillow_resize
 from transformers.image_utils import ChannelDimension, PILImageResampling
 
-from worker import image_resize
-from worker.image_resize import resize_uint8, torch_resize_in_use, use_torch_resize
-from worker.model_loader import load_model
+from worker.inference import image_resize
+from worker.inference.image_resize import resize_uint8, torch_resize_in_use, use_torch_resize
+from worker.inference.model_loader import load_model
 
 
 @pytest.fixture(autouse=True)

@@ -1,6 +1,6 @@
 """Batch ingestion, cancellation and finalization on Postgres and the S3 server, without a model or broker.
 
-Jobs are driven through common.jobs (the state machine a worker uses); dispatch is a callback recording the
+Jobs are driven through common.domain.jobs (the state machine a worker uses); dispatch is a callback recording the
 job ids a chunk sent, so a test can fail it to play a crash between commit and dispatch.
 """
 
@@ -17,20 +17,20 @@ from typing import Any
 import pytest
 from sqlalchemy import func, select
 
-from common import batches, jobs
-from common.batch_input import iter_lines
-from common.db import Database, get_database
-from common.files import add_file, file_key, open_reader
-from common.migrate import upgrade
-from common.models import Batch, BatchLineError, FileRecord, Job, new_file_id
-from common.settings import Settings
-from common.storage import ObjectStore, make_store, result_key
-from common.stored_images import owned_image, store_image
-from common.views import chat_completion
+from common.domain import batches, jobs
+from common.domain.batch_input import iter_lines
+from common.domain.files import add_file, file_key, open_reader
+from common.domain.models import Batch, BatchLineError, FileRecord, Job, new_file_id
+from common.domain.views import chat_completion
+from common.images.stored import owned_image, store_image
+from common.infra.db import Database, get_database
+from common.infra.migrate import upgrade
+from common.infra.settings import Settings
+from common.infra.storage import ObjectStore, make_store, result_key
 from tests.api.test_jobs_api import data_url, png_bytes
 from tests.conftest import held_redis_db, settings_from_env
-from worker.finalize import cancel_batch_jobs, due_batches, expire_batch, expire_due, finalize_batch
-from worker.ingest import IngestDeps, ingest_batch
+from worker.batches.finalize import cancel_batch_jobs, due_batches, expire_batch, expire_due, finalize_batch
+from worker.batches.ingest import IngestDeps, ingest_batch
 
 MODEL = "tiny-ingest"
 
@@ -367,7 +367,7 @@ def test_the_sweep_that_expires_a_batch_sends_its_finalize(settings: Settings, d
                                                            ) -> None:
     """Expired while no job of it runs (the last running one ended a moment before, its batch still open), no
     job's end is left to send finalize_batch: the sweep that cancelled the rest sends it."""
-    from common.queue import TASK_FINALIZE_BATCH, TASK_SWEEP_BATCHES, make_celery
+    from common.broker.queue import TASK_FINALIZE_BATCH, TASK_SWEEP_BATCHES, make_celery
     from tests.api.test_jobs_api import _messages
     from worker.tasks import register_tasks
 
@@ -394,7 +394,7 @@ def test_the_sweep_resends_an_ingestion_the_broker_lost(settings: Settings, db: 
     again; one whose message is queued, or taken by a worker and not yet acked, does not."""
     import redis
 
-    from common.queue import TASK_INGEST_BATCH, TASK_SWEEP_BATCHES, make_celery, send_ingest_batch
+    from common.broker.queue import TASK_INGEST_BATCH, TASK_SWEEP_BATCHES, make_celery, send_ingest_batch
     from tests.api.test_jobs_api import _messages
     from worker.tasks import register_tasks
 

@@ -10,18 +10,18 @@ from typing import Any
 import pytest
 from sqlalchemy import func, select, text
 
-from common.db import Database, get_database
-from common.image_cache import ImageCache
-from common.migrate import upgrade
-from common.models import ImageOwner, ImageRecord, Job
-from common.settings import Settings
-from common.storage import ObjectStore, make_store
-from common.stored_images import owned_image, store_image
-from common.submission import SubmissionError
+from common.domain.models import ImageOwner, ImageRecord, Job
+from common.domain.submission import SubmissionError
+from common.images.cache import ImageCache
+from common.images.stored import owned_image, store_image
+from common.infra.db import Database, get_database
+from common.infra.migrate import upgrade
+from common.infra.settings import Settings
+from common.infra.storage import ObjectStore, make_store
 from tests.api.test_jobs_api import png_bytes
 from tests.conftest import settings_from_env
 from tests.worker.test_ingest import MODEL, Recorder, batch_jobs, get_batch, line, line_errors, make_batch
-from worker.ingest import IngestDeps, ingest_batch
+from worker.batches.ingest import IngestDeps, ingest_batch
 
 
 def test_cache_resolves_each_reference_once_and_repeats_refusals() -> None:

@@ -1,4 +1,4 @@
-"""The jobs of one run_job message, each on a thread of the worker's own (worker/job_group.py)."""
+"""The jobs of one run_job message, each on a thread of the worker's own (worker/jobs/group.py)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import logging
 import threading
 from typing import Any
 
-from common.logs import FieldsFilter, log_fields
-from worker.job_group import JobGroupRunner
-from worker.pipeline import Outcome
+from common.infra.logs import FieldsFilter, log_fields
+from worker.jobs.group import JobGroupRunner
+from worker.jobs.pipeline import Outcome
 
 
 class _Records(logging.Handler):
@@ -43,7 +43,7 @@ def test_each_job_logs_the_messages_fields_and_its_own_and_ends_on_its_own() -> 
     runner = JobGroupRunner(pipeline, 4)  # type: ignore[arg-type]
     ended: list[tuple[str, Any]] = []
     try:
-        with log_fields(task_id="task-1"):  # as the Celery task's prerun sets it (common/logs.py)
+        with log_fields(task_id="task-1"):  # as the Celery task's prerun sets it (common/infra/logs.py)
             outcomes = runner.run(["a", "broken", "c"], on_job_done=lambda job_id, o: ended.append((job_id, o)))
     finally:
         logger.removeHandler(handler)

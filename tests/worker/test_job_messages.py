@@ -1,5 +1,5 @@
 """run_job messages that carry several jobs, through a real Celery worker (threads pool) on Redis: the worker
-holds no more jobs than its concurrency however they are grouped (worker/prefetch_share.py), runs each job
+holds no more jobs than its concurrency however they are grouped (worker/jobs/prefetch_share.py), runs each job
 once, and sends again, in a message of their own, only the jobs that asked to be retried or whose run raised."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ from types import SimpleNamespace
 import redis
 from kombu.common import QoS
 
-from common.queue import make_celery, send_run_jobs
-from common.settings import Settings
+from common.broker.queue import make_celery, send_run_jobs
+from common.infra.settings import Settings
 from tests import stub_worker
 from tests.redis_text import text
-from worker.prefetch_share import PrefetchShare
+from worker.jobs.prefetch_share import PrefetchShare
 
 
 def test_a_worker_holds_its_concurrency_in_jobs_and_retries_only_what_asked(redis_url: str) -> None:

@@ -5,11 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from common import jobs
-from common.db import Database
-from common.migrate import upgrade
-from common.models import Job, utcnow
-from worker.leases import LeaseKeeper
+from common.domain import jobs
+from common.domain.models import Job, utcnow
+from common.infra.db import Database
+from common.infra.migrate import upgrade
+from worker.jobs.leases import LeaseKeeper
 
 REQUEST: dict[str, Any] = {"messages": [], "sampling": {}}
 

@@ -17,7 +17,7 @@ from PIL import Image
 from tests.api.test_jobs_api import data_url
 from tests.hf_reference import hf_messages, hf_reference_answer
 from tests.test_end_to_end import make_jobs
-from worker.model_loader import load_model
+from worker.inference.model_loader import load_model
 
 
 def _write_input(path: Path) -> list[dict]:
@@ -53,7 +53,7 @@ def test_vlmq_run_embedded_matches_hf(engine_process: str, tiny_llava_path: Path
     env.update({"VLMQ_DATA_DIR": str(tmp_path / "state"), "OMP_NUM_THREADS": "2",
                 "VLMQ_ENGINE_PROCESS": engine_process})
     proc = subprocess.run(
-        [sys.executable, "-m", "common.cli", "run", str(input_path), "-o", str(output_path),
+        [sys.executable, "-m", "cli.main", "run", str(input_path), "-o", str(output_path),
          "--model", str(tiny_llava_path)],
         env=env, capture_output=True, text=True, timeout=600,
     )
@@ -118,7 +118,7 @@ def test_vlmq_run_a_csv_manifest_with_a_folder_of_images(tiny_llava_path: Path, 
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLMQ_")}
     env.update({"VLMQ_DATA_DIR": str(tmp_path / "state"), "OMP_NUM_THREADS": "2"})
     proc = subprocess.run(
-        [sys.executable, "-m", "common.cli", "run", str(manifest), "--images", str(photos), "-o", str(output),
+        [sys.executable, "-m", "cli.main", "run", str(manifest), "--images", str(photos), "-o", str(output),
          "--model", str(tiny_llava_path)], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [json.loads(line) for line in output.read_text().splitlines()]
@@ -131,7 +131,7 @@ def _run_cli(tiny_llava_path: Path, data_dir: Path, *args: str, wait: bool = Tru
              **env_extra: str) -> subprocess.Popen[str] | subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLMQ_")}
     env.update({"VLMQ_DATA_DIR": str(data_dir), "OMP_NUM_THREADS": "2", **env_extra})
-    command = [sys.executable, "-m", "common.cli", "run", *args, "--model", str(tiny_llava_path)]
+    command = [sys.executable, "-m", "cli.main", "run", *args, "--model", str(tiny_llava_path)]
     if wait:
         return subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -235,11 +235,11 @@ def test_whole_file_failures_and_bad_outputs_are_errors(tiny_llava_path: Path, t
 
 def test_expected_answers_come_from_the_stored_input(tmp_path: Path) -> None:
     """A BOM, a refused duplicate custom_id (the first line counts, as ingestion keeps it) and a pipe as input."""
-    from common.db import get_database
-    from common.migrate import upgrade
-    from common.settings import Settings
-    from common.storage import make_store
-    from worker.local_run import _expected_answers, _start_batch
+    from common.infra.db import get_database
+    from common.infra.migrate import upgrade
+    from common.infra.settings import Settings
+    from common.infra.storage import make_store
+    from worker.batches.local_run import _expected_answers, _start_batch
 
     settings = Settings(data_dir=tmp_path, model="tiny", broker_url="memory://")
     upgrade(settings.database_url)
@@ -275,7 +275,7 @@ def test_a_file_nothing_of_which_can_run_is_refused_before_the_model_loads(tmp_p
         source, output = tmp_path / name, tmp_path / f"{name}.out"
         source.write_text(text)
         started = time.monotonic()
-        proc = subprocess.run([sys.executable, "-m", "common.cli", "run", str(source), "-o", str(output)],
+        proc = subprocess.run([sys.executable, "-m", "cli.main", "run", str(source), "-o", str(output)],
                               env=env, capture_output=True, text=True, timeout=120)
         elapsed = time.monotonic() - started
         assert proc.returncode == 1, (name, proc.stderr[-2000:])
@@ -291,8 +291,8 @@ def test_a_short_file_runs_the_engine_in_this_process_unless_told_otherwise(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An engine child imports torch and loads the model a second time before its first step: a short run
     waits for that and never earns it back (bench/run_startup.py)."""
-    from common.settings import Settings
-    from worker.local_run import IN_PROCESS_ENGINE_LINES, run_settings
+    from common.infra.settings import Settings
+    from worker.batches.local_run import IN_PROCESS_ENGINE_LINES, run_settings
 
     short, long = tmp_path / "short.jsonl", tmp_path / "long.jsonl"
     short.write_text("{}\n" * IN_PROCESS_ENGINE_LINES)

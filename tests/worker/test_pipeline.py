@@ -1,4 +1,4 @@
-"""worker/pipeline.py: one job's path through a worker, on SQLite and a local folder, with a model that
+"""worker/jobs/pipeline.py: one job's path through a worker, on SQLite and a local folder, with a model that
 stands in for the engine (so a test can act while the job is "generating")."""
 
 from __future__ import annotations
@@ -10,16 +10,16 @@ from typing import Any
 
 import pytest
 
-from common import jobs
-from common.db import Database, get_database
-from common.migrate import upgrade
-from common.models import Job
-from common.settings import Settings
-from common.storage import ObjectStore, image_key, make_store, result_key
+from common.domain import jobs
+from common.domain.models import Job
+from common.infra.db import Database, get_database
+from common.infra.migrate import upgrade
+from common.infra.settings import Settings
+from common.infra.storage import ObjectStore, image_key, make_store, result_key
 from tests.api.test_jobs_api import png_bytes
-from worker.generation import GenerationRequest, GenerationResult
-from worker.leases import LeaseKeeper
-from worker.pipeline import JobPipeline, Outcome
+from worker.inference.generation import GenerationRequest, GenerationResult
+from worker.jobs.leases import LeaseKeeper
+from worker.jobs.pipeline import JobPipeline, Outcome
 
 MODEL = "stand-in"
 REQUEST = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],

@@ -1,11 +1,11 @@
-"""worker/pixel_budget.py: decoded pixels held at once by a worker's job threads."""
+"""worker/inference/pixel_budget.py: decoded pixels held at once by a worker's job threads."""
 
 from __future__ import annotations
 
 import threading
 import time
 
-from worker.pixel_budget import PixelBudget
+from worker.inference.pixel_budget import PixelBudget
 
 
 def _hold_in_thread(budget: PixelBudget, pixels: int, log: list[str], name: str, release: threading.Event

@@ -1,4 +1,4 @@
-"""Image jobs prepared in processes of their own (worker/prepare_pool.py) give the engine exactly what the job's
+"""Image jobs prepared in processes of their own (worker/jobs/prepare_pool.py) give the engine exactly what the job's
 thread would, refuse the same inputs with the same errors, and outlive a process that dies."""
 
 from __future__ import annotations
@@ -19,16 +19,16 @@ import pytest
 import torch
 from PIL import Image
 
-from common.images import ImageError
-from common.settings import Settings
-from common.storage import LocalObjectStore, ObjectNotFound, image_key
-from worker.batcher import BatchingGenerator
+from common.images.decode import ImageError
+from common.infra.settings import Settings
+from common.infra.storage import LocalObjectStore, ObjectNotFound, image_key
 from worker.engine.families import get_family
 from worker.engine.model_runner import PreparedInput, prepare_input
-from worker.generation import InputError
-from worker.job_request import fetch_images, generation_request
-from worker.model_loader import load_model
-from worker.prepare_pool import PreparePool
+from worker.inference.batcher import BatchingGenerator
+from worker.inference.generation import InputError
+from worker.inference.model_loader import load_model
+from worker.jobs.prepare_pool import PreparePool
+from worker.jobs.request import fetch_images, generation_request
 
 
 def _image(size: tuple[int, int], colour: tuple[int, int, int], fmt: str) -> bytes:
@@ -156,8 +156,8 @@ def test_a_pool_is_built_for_the_paged_engine_only(tiny_llava_path: Path, tmp_pa
 def test_the_pools_processes_follow_a_worker_killed_outright(settings: Settings) -> None:
     script = (
         "import multiprocessing, sys, time\n"
-        "from common.settings import Settings\n"
-        "from worker.prepare_pool import PreparePool\n"
+        "from common.infra.settings import Settings\n"
+        "from worker.jobs.prepare_pool import PreparePool\n"
         f"pool = PreparePool(Settings.model_validate_json({settings.model_dump_json()!r}), 2)\n"
         "print(' '.join(str(p.pid) for p in multiprocessing.active_children()), flush=True)\n"
         "time.sleep(300)\n"

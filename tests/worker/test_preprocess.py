@@ -1,4 +1,4 @@
-"""worker/preprocess.py: a prompt without images skips the processor only where the processor would have
+"""worker/inference/preprocess.py: a prompt without images skips the processor only where the processor would have
 returned exactly the tokenizer's output, for every family and every kind of text."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import pytest
 import torch
 from PIL import Image
 
-from worker.generation import GenerationRequest, InputError
-from worker.model_loader import LoadedModel, load_model, text_alone_by_tokenizer
-from worker.preprocess import encode_prompt
+from worker.inference.generation import GenerationRequest, InputError
+from worker.inference.model_loader import LoadedModel, load_model, text_alone_by_tokenizer
+from worker.inference.preprocess import encode_prompt
 
 TEXTS = [
     "tell me a story about the red house",

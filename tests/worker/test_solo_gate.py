@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from worker.solo_gate import SoloGate
+from worker.jobs.solo_gate import SoloGate
 
 
 def test_solo_waits_for_shared_runs_and_blocks_new_ones() -> None:

@@ -1,4 +1,4 @@
-"""worker/state_writer.py on SQLite and Postgres: claims and finishes asked for together share one
+"""worker/jobs/state_writer.py on SQLite and Postgres: claims and finishes asked for together share one
 transaction, each caller gets its own answer, and one bad row fails only its own caller."""
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from common import jobs
-from common.claimed_job import ClaimedJob
-from common.db import Database
-from common.models import JobStatus
+from common.domain import jobs
+from common.domain.claimed_job import ClaimedJob
+from common.domain.models import JobStatus
+from common.infra.db import Database
 from tests.common.conftest import db  # noqa: F401  (the fixture: a migrated database of each kind)
 from tests.common.test_jobs import _get, _new_job
-from worker.state_writer import StateWriter
+from worker.jobs.state_writer import StateWriter
 
 
 @pytest.fixture

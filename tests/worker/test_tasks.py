@@ -4,9 +4,9 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
-from common.migrate import upgrade
-from common.queue import TASK_SWEEP_BATCHES, make_celery
-from common.settings import Settings
+from common.broker.queue import TASK_SWEEP_BATCHES, make_celery
+from common.infra.migrate import upgrade
+from common.infra.settings import Settings
 from worker.tasks import register_tasks
 
 

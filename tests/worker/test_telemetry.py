@@ -1,11 +1,11 @@
-"""worker/telemetry.py: the worker's metrics, here the histogram of vision batch sizes."""
+"""worker/jobs/telemetry.py: the worker's metrics, here the histogram of vision batch sizes."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-from common.settings import Settings
-from worker.telemetry import WorkerTelemetry
+from common.infra.settings import Settings
+from worker.jobs.telemetry import WorkerTelemetry
 
 
 def test_vision_batch_sizes_are_counted_once_and_not_kept() -> None:

@@ -6,7 +6,13 @@ from pathlib import Path
 
 import torch
 
-from worker.tiny_model import TinySpec, _build_tokenizer, _chat_template, _set_generation_ids, _text_config_kwargs
+from worker.inference.tiny_model import (
+    TinySpec,
+    _build_tokenizer,
+    _chat_template,
+    _set_generation_ids,
+    _text_config_kwargs,
+)
 
 
 def build_tiny_gemma3(out_dir: Path, *, seed: int = 0) -> Path:
@@ -58,7 +64,7 @@ def build_tiny_idefics2(out_dir: Path, *, seed: int = 0) -> Path:
     )
     from transformers.models.idefics2.configuration_idefics2 import Idefics2PerceiverConfig, Idefics2VisionConfig
 
-    from worker.tiny_model import CHAT_TEMPLATE
+    from worker.inference.tiny_model import CHAT_TEMPLATE
 
     spec = TinySpec()
     tokens = {"image_token": "<image>", "fake_image_token": "<fake_token_around_image>",

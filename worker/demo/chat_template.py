@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from worker.tiny_model import IMAGE_TOKEN
+from worker.inference.tiny_model import IMAGE_TOKEN
 
 DEMO_CHAT_TEMPLATE = (
     "{{ bos_token }}"

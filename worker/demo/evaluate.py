@@ -15,13 +15,13 @@ import time
 
 import torch
 
-from common.settings import DEMO_MODEL
+from common.infra.settings import DEMO_MODEL
 from worker.demo.scoring import HELD_OUT_SEED, MAX_ANSWER_TOKENS, N_HELD_OUT, ORDERS, exact_match, hf_answers, messages
 from worker.demo.shapes import Sample, samples
-from worker.engine.config import EngineConfig
+from worker.engine.core.config import EngineConfig
 from worker.engine.engine import Engine
-from worker.generation import GenerationRequest, SamplingParams
-from worker.model_loader import LoadedModel, load_model
+from worker.inference.generation import GenerationRequest, SamplingParams
+from worker.inference.model_loader import LoadedModel, load_model
 
 
 def engine_answers(loaded: LoadedModel, batch: list[Sample], image_first: bool = False) -> list[str]:

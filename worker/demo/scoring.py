@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from worker.demo.shapes import KINDS, Sample
-from worker.model_loader import LoadedModel
+from worker.inference.model_loader import LoadedModel
 
 HELD_OUT_SEED = 1_000_003  # the held-out set: never trained on, never used to pick a checkpoint
 VALIDATION_SEED = 2_000_003  # picks the checkpoint to keep

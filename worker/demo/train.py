@@ -60,8 +60,8 @@ from worker.demo.shapes import (
     sample,
     samples,
 )
-from worker.model_loader import LoadedModel, load_model
-from worker.tiny_model import CHAT_TEMPLATE, TinySpec, build_tiny_llava
+from worker.inference.model_loader import LoadedModel, load_model
+from worker.inference.tiny_model import CHAT_TEMPLATE, TinySpec, build_tiny_llava
 
 # 96 px images in 24 px patches, one per grid cell: 16 image tokens. The white background is normalised to 0, so
 # an empty cell's patch embedding is ~0 and its position embedding is what the tower sees of it: with CLIP's
@@ -226,7 +226,7 @@ def train(out_dir: Path, steps: int, minutes: float, seed: int, batch_size: int,
     write_chat_template(out_dir)
     loaded = load_for_training(out_dir)
     model = loaded.model
-    # Its answers are a few words: a request that sets no max_tokens gets this many (worker/model_loader.py).
+    # Its answers are a few words: a request that sets no max_tokens gets this many (worker/inference/model_loader.py).
     model.generation_config.max_new_tokens = MAX_ANSWER_TOKENS
     if init_from is None:
         grid_position_embedding(model)

@@ -18,7 +18,7 @@ from worker.engine import vision_batches
 from worker.engine.channel import Channel
 from worker.engine.model_runner import PreparedInput
 from worker.engine.process import EngineSpec
-from worker.generation import GenerationResult
+from worker.inference.generation import GenerationResult
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +39,10 @@ def run_engine_child(conn: Connection) -> None:
     or the parent goes away."""
     import torch
 
-    from common.logs import configure_logging
+    from common.infra.logs import configure_logging
     from worker.engine.engine import Engine
     from worker.engine.service import EngineService
-    from worker.model_loader import load_model
+    from worker.inference.model_loader import load_model
 
     # A terminal's Ctrl-C or a service manager's SIGTERM reaches the whole process group. The worker's warm
     # shutdown still needs the engine to finish the jobs it holds, so the child leaves signals to its parent,
@@ -70,7 +70,7 @@ def run_engine_child(conn: Connection) -> None:
         return
     frozen = 0
     if spec.gc_freeze:
-        from common.heap import freeze_startup_heap
+        from common.infra.heap import freeze_startup_heap
 
         frozen = freeze_startup_heap()
     channel.send(("ready", {"pid": os.getpid(), "num_kv_blocks": service.engine.block_manager.num_free_blocks,

@@ -7,15 +7,15 @@ import time
 from dataclasses import dataclass, field
 
 from worker.engine.allocator import keep_freed_memory
-from worker.engine.block_manager import BlockManager
-from worker.engine.config import EngineConfig
-from worker.engine.encoder_cache import EncoderCache
+from worker.engine.core.block_manager import BlockManager
+from worker.engine.core.config import EngineConfig
+from worker.engine.core.encoder_cache import EncoderCache
+from worker.engine.core.request import Request, RequestStatus
+from worker.engine.core.scheduler import Scheduler
 from worker.engine.families import attention_window
 from worker.engine.model_runner import ModelRunner, PreparedInput, num_kv_blocks_for
-from worker.engine.request import Request, RequestStatus
-from worker.engine.scheduler import Scheduler
-from worker.generation import GenerationRequest, GenerationResult, cut_at_stop_strings
-from worker.model_loader import LoadedModel
+from worker.inference.generation import GenerationRequest, GenerationResult, cut_at_stop_strings
+from worker.inference.model_loader import LoadedModel
 
 
 @dataclass

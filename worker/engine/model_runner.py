@@ -14,15 +14,15 @@ import torch
 
 from worker.engine import vision_batches
 from worker.engine.attention import ATTN_IMPLEMENTATION, build_metadata
-from worker.engine.config import EngineConfig
-from worker.engine.encoder_cache import EncoderCache
+from worker.engine.core.config import EngineConfig
+from worker.engine.core.encoder_cache import EncoderCache
+from worker.engine.core.request import ImageItem
+from worker.engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from worker.engine.families import HFModule, ModelFamily, get_family
-from worker.engine.request import ImageItem
 from worker.engine.sampler import Sampler
-from worker.engine.scheduler_output import ScheduledRequest, SchedulerOutput
-from worker.generation import GenerationRequest, InputError
-from worker.model_loader import LoadedModel
-from worker.preprocess import encode_prompt
+from worker.inference.generation import GenerationRequest, InputError
+from worker.inference.model_loader import LoadedModel
+from worker.inference.preprocess import encode_prompt
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ class ModelRunner:
 
     def prepare(self, req: GenerationRequest) -> PreparedInput:
         # The decoded images are in image_inputs now; kept, they would outlive the worker's pixel budget
-        # (worker/pixel_budget.py) for as long as the request runs.
+        # (worker/inference/pixel_budget.py) for as long as the request runs.
         return without_decoded_images(prepare_input(self.loaded, self.family, req))
 
     # ------------------------------------------------------------------ engine thread

@@ -34,10 +34,10 @@ from typing import Literal
 
 from worker.engine import vision_batches
 from worker.engine.channel import Channel
-from worker.engine.config import EngineConfig
+from worker.engine.core.config import EngineConfig
 from worker.engine.model_runner import PreparedInput, prepare_input, without_decoded_images
-from worker.generation import GenerationRequest, GenerationResult
-from worker.model_loader import LoadedModel
+from worker.inference.generation import GenerationRequest, GenerationResult
+from worker.inference.model_loader import LoadedModel
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,8 @@ class EngineSpec:
     log_format: str = "text"
     log_level: str = "INFO"
     nice: int = 0  # added to the child's niceness (settings.engine_nice)
-    gc_freeze: bool = False  # freeze the child's heap once the engine is built (settings.gc_freeze, common/heap.py)
+    # freeze the child's heap once the engine is built (settings.gc_freeze, common/infra/heap.py)
+    gc_freeze: bool = False
 
 
 class EngineDied(RuntimeError):
@@ -63,7 +64,8 @@ class EngineDied(RuntimeError):
 
 
 class EngineProcess:
-    """An `EngineGenerator` (worker/batcher.py) whose engine runs in a child process (see the module docstring)."""
+    """An `EngineGenerator` (worker/inference/batcher.py) whose engine runs in a child process (see the module
+    docstring)."""
 
     takes_engine_inputs: Literal[True] = True
 
@@ -72,7 +74,7 @@ class EngineProcess:
         import torch
 
         from worker.engine.families import get_family
-        from worker.model_loader import load_model
+        from worker.inference.model_loader import load_model
 
         self.spec = spec
         self._front = front or load_model(spec.model, dtype=getattr(torch, spec.dtype), weights=False)

@@ -10,7 +10,7 @@ import secrets
 
 import torch
 
-from worker.generation import SamplingParams
+from worker.inference.generation import SamplingParams
 
 
 class Sampler:

@@ -27,13 +27,13 @@ from typing import Literal, cast
 
 from worker.engine.engine import Engine
 from worker.engine.model_runner import PreparedInput
-from worker.generation import GenerationRequest, GenerationResult
+from worker.inference.generation import GenerationRequest, GenerationResult
 
 log = logging.getLogger(__name__)
 
 
 class EngineService:
-    """An `EngineGenerator` (worker/batcher.py) whose engine runs in this process."""
+    """An `EngineGenerator` (worker/inference/batcher.py) whose engine runs in this process."""
 
     takes_engine_inputs: Literal[True] = True
 

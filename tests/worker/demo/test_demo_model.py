@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from common.settings import DEMO_MODEL
+from common.infra.settings import DEMO_MODEL
 from examples.make_jobs import EXAMPLE_SEED, batch_line
 from worker.demo import DEMO_MODEL_DIR
 from worker.demo.evaluate import engine_answers
 from worker.demo.scoring import HELD_OUT_SEED, N_HELD_OUT, exact_match, hf_answers
 from worker.demo.shapes import KINDS, Sample, samples
-from worker.model_loader import LoadedModel, load_model
+from worker.inference.model_loader import LoadedModel, load_model
 
 ROOT = Path(__file__).resolve().parents[3]
 EXAMPLE = ROOT / "examples" / "shapes.jsonl"
@@ -71,7 +71,7 @@ def test_vlmq_run_with_the_default_model_scores_the_example(demo: LoadedModel, t
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLMQ_")}
     env.update({"VLMQ_DATA_DIR": str(tmp_path / "state"), "OMP_NUM_THREADS": "2", "NO_COLOR": "1"})
     out = tmp_path / "out.jsonl"
-    proc = subprocess.run([sys.executable, "-m", "common.cli", "run", str(EXAMPLE), "-o", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "cli.main", "run", str(EXAMPLE), "-o", str(out)],
                           env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [json.loads(line) for line in out.read_text().splitlines()]

@@ -12,13 +12,13 @@ from pathlib import Path
 import httpx
 from typer.testing import CliRunner
 
-from common.settings import DEMO_MODEL, Settings
+from common.infra.settings import DEMO_MODEL, Settings
 from tests.conftest import ApiServer
 from worker.demo import DEMO_MODEL_DIR
 from worker.demo.scoring import HELD_OUT_SEED, messages
 from worker.demo.shapes import Sample, samples
 from worker.demo.train import batch_inputs, image_first_flags, load_for_training
-from worker.model_loader import load_model
+from worker.inference.model_loader import load_model
 
 N_API = 8  # held-out pictures per layout through the embedded API; the 1,000-question figures are in the docs
 
@@ -96,9 +96,9 @@ def _json_job(client: httpx.Client, sample: Sample, image_first: bool) -> str:
 
 def test_the_demo_answers_in_every_layout_through_the_api(tmp_path: Path) -> None:
     """Embedded `vlmq api` (auth off) serving the demo model: held-out pictures, asked in each layout."""
-    from common.cli import app as cli
-    from common.migrate import upgrade
-    from common.queue import make_celery
+    from cli.main import app as cli
+    from common.broker.queue import make_celery
+    from common.infra.migrate import upgrade
     from worker.context import get_context, set_context
     from worker.embedded import embedded_worker
 

@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from tests.worker.engine.test_engine import make_requests
 from worker.engine import attention
 from worker.engine.attention import build_metadata, paged_attention
-from worker.engine.config import EngineConfig
+from worker.engine.core.config import EngineConfig
 from worker.engine.engine import Engine
-from worker.model_loader import load_model
+from worker.inference.model_loader import load_model
 
 
 class _Layer(torch.nn.Module):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from worker.engine.block_manager import BlockManager
-from worker.engine.request import ImageItem, Request
-from worker.generation import SamplingParams
+from worker.engine.core.block_manager import BlockManager
+from worker.engine.core.request import ImageItem, Request
+from worker.inference.generation import SamplingParams
 
 IMAGE_TOKEN = 9  # every image placeholder position carries this id
 

@@ -14,10 +14,10 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
 from tests.worker.engine.test_engine import make_requests
 from worker.engine import cpu_kernels
-from worker.engine.config import EngineConfig
+from worker.engine.core.config import EngineConfig
 from worker.engine.cpu_fused import FusedGatedMLP, FusedRMSNorm, fuse_elementwise
 from worker.engine.engine import Engine
-from worker.model_loader import load_model
+from worker.inference.model_loader import load_model
 
 
 @pytest.fixture(scope="module")

@@ -12,10 +12,10 @@ from torch import nn
 from tests.worker.engine.test_engine import make_requests
 from worker.engine import cpu_kernels
 from worker.engine.attention import decode_key_mask, gathered_decode_attention
-from worker.engine.config import EngineConfig
+from worker.engine.core.config import EngineConfig
 from worker.engine.cpu_linear import PackedLinear, pack_linears
 from worker.engine.engine import Engine
-from worker.model_loader import load_model
+from worker.inference.model_loader import load_model
 
 
 def _gather_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
@@ -97,7 +97,7 @@ def test_kernel_unavailable_means_the_torch_path(monkeypatch: pytest.MonkeyPatch
 
 
 def test_settings_turn_the_fast_paths_off(tiny_llava_path: object) -> None:
-    from common.settings import Settings
+    from common.infra.settings import Settings
     from worker.context import make_backend
 
     for fast in (True, False):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from worker.engine.encoder_cache import EncoderCache
+from worker.engine.core.encoder_cache import EncoderCache
 
 
 def test_allocate_put_get_and_accounting() -> None:

@@ -18,10 +18,10 @@ import torch
 from PIL import Image
 
 from tests.hf_reference import assert_greedy_matches, hf_generate_alone, hf_greedy_with_margins
-from worker.engine.config import EngineConfig
+from worker.engine.core.config import EngineConfig
 from worker.engine.engine import Engine
-from worker.generation import GenerationRequest, GenerationResult, InputError, SamplingParams
-from worker.model_loader import LoadedModel, load_model
+from worker.inference.generation import GenerationRequest, GenerationResult, InputError, SamplingParams
+from worker.inference.model_loader import LoadedModel, load_model
 
 FAMILIES = ["llava", "llava_siglip", "qwen2_vl", "qwen2_5_vl", "internvl"]
 WORDS = ("describe the picture what colour is it tell me a story about this image how many shapes are there "
@@ -317,7 +317,7 @@ def test_a_sliding_window_caps_the_context_and_tokens_match_hf(tiny_llava_path: 
 
 
 def test_decoders_the_engine_cannot_run_fall_back(tiny_llava_path: Path, tmp_path: Path) -> None:
-    from common.settings import Settings
+    from common.infra.settings import Settings
     from worker.context import make_backend
     from worker.engine.families import attention_window, get_family
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from tests.worker.engine.test_engine import make_requests, run_engine
-from worker.engine.config import EngineConfig
+from worker.engine.core.config import EngineConfig
 from worker.engine.engine import Engine
-from worker.model_loader import load_model
+from worker.inference.model_loader import load_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

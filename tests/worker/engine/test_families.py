@@ -13,9 +13,9 @@ import pytest
 import torch
 from PIL import Image
 
+from tests.tiny_families import main as tiny_model_main
 from worker.engine.families import ModelFamily, get_family
-from worker.model_loader import LoadedModel, load_model
-from worker.tiny_model import main as tiny_model_main
+from worker.inference.model_loader import LoadedModel, load_model
 
 FAMILIES = ["llava", "llava_siglip", "qwen2_vl", "qwen2_5_vl", "internvl"]
 

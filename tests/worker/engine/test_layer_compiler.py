@@ -13,12 +13,12 @@ import torch
 from torch import nn
 
 from tests.worker.engine.test_engine import assert_identical, make_requests, run_engine
-from worker.engine.config import EngineConfig
+from worker.engine.core.config import EngineConfig
 from worker.engine.cpu_linear import PackedLinear
 from worker.engine.engine import Engine
 from worker.engine.layer_compiler import compile_decoder_layers, decoder_layers
-from worker.model_loader import load_model
-from worker.tiny_model import TinySpec, build_tiny_llava
+from worker.inference.model_loader import load_model
+from worker.inference.tiny_model import TinySpec, build_tiny_llava
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +65,7 @@ def test_a_model_without_a_layer_list_runs_eagerly() -> None:
 
 
 def test_the_setting_reaches_the_engine(tiny_llava_path: Path) -> None:
-    from common.settings import Settings
+    from common.infra.settings import Settings
     from worker.context import engine_config
 
     assert engine_config(Settings(engine_compile=True)).compile_layers is True

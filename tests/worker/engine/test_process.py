@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 
 from tests.worker.engine.test_engine import make_requests
-from worker.engine.config import EngineConfig
+from worker.engine.core.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.engine.process import EngineDied, EngineProcess, EngineSpec
-from worker.generation import InputError
-from worker.model_loader import load_model
+from worker.inference.generation import InputError
+from worker.inference.model_loader import load_model
 
 CONFIG = EngineConfig(num_kv_blocks=256, block_size=8)
 
@@ -139,7 +139,7 @@ def test_the_child_exits_when_its_parent_is_killed(tiny_llava_path: Path) -> Non
     """No orphan engine keeps the model's memory (a GPU's, in production) after its worker is SIGKILLed."""
     spec = f"EngineSpec({str(tiny_llava_path)!r}, 'cpu', 'float32', EngineConfig(num_kv_blocks=64))"
     script = ("import time\n"
-              "from worker.engine.config import EngineConfig\n"
+              "from worker.engine.core.config import EngineConfig\n"
               "from worker.engine.process import EngineProcess, EngineSpec\n"
               f"print(EngineProcess({spec}).pid, flush=True)\n"
               "time.sleep(600)\n")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from worker.engine.sampler import Sampler, top_p_filter
-from worker.generation import SamplingParams
+from worker.inference.generation import SamplingParams
 
 
 def test_tiny_temperature_and_top_p_give_the_most_likely_token() -> None:

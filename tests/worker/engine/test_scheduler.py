@@ -19,13 +19,13 @@ from typing import Any
 import pytest
 
 from tests.worker.engine.test_block_manager import IMAGE_TOKEN, make_request
-from worker.engine.block_manager import BlockManager
-from worker.engine.config import EngineConfig
-from worker.engine.encoder_cache import EncoderCache
-from worker.engine.request import Request, RequestStatus
-from worker.engine.scheduler import Scheduler
-from worker.engine.scheduler_output import SchedulerOutput
-from worker.generation import InputError
+from worker.engine.core.block_manager import BlockManager
+from worker.engine.core.config import EngineConfig
+from worker.engine.core.encoder_cache import EncoderCache
+from worker.engine.core.request import Request, RequestStatus
+from worker.engine.core.scheduler import Scheduler
+from worker.engine.core.scheduler_output import SchedulerOutput
+from worker.inference.generation import InputError
 
 
 def next_token(req: Request) -> int:
@@ -381,6 +381,7 @@ def test_randomized_simulation_keeps_invariants(seed: int) -> None:
 
 
 def test_engine_bookkeeping_does_not_import_torch() -> None:
-    code = ("import sys\nimport worker.engine.scheduler, worker.engine.block_manager, worker.engine.encoder_cache\n"
+    code = ("import sys\nimport worker.engine.core.scheduler, worker.engine.core.block_manager\n"
+            "import worker.engine.core.encoder_cache\n"
             "assert 'torch' not in sys.modules, 'torch was imported'\n")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[3])

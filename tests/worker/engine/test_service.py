@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from tests.worker.engine.test_engine import make_requests
-from worker.engine.config import EngineConfig
+from worker.engine.core.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.engine.service import EngineService
-from worker.generation import InputError
-from worker.model_loader import load_model
+from worker.inference.generation import InputError
+from worker.inference.model_loader import load_model
 
 
 @pytest.fixture

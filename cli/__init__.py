@@ -1,0 +1,1 @@
+"""The `vlmq` command: the composition root above api/ and worker/."""

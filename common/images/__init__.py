@@ -1,0 +1,1 @@
+"""Images: decoding and checking bytes, fetching URLs, stored image references, the decoded-image cache."""

@@ -1,0 +1,108 @@
+"""A request's image references (an uploaded image's id, a data: URL, a remote URL) resolved to stored images
+of the request's tenant, with their sizes; ids seen owned are remembered by the process.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from sqlalchemy import event
+from sqlalchemy.orm import Session
+
+from common.domain.submission_error import SubmissionError
+from common.images.decode import ImageError, parse_data_url
+from common.images.fetch import ImageFetchError, fetcher_for
+from common.images.stored import IMAGE_ID_RE, StoredImage, owned_image, store_image
+from common.infra.settings import Settings
+from common.infra.storage import ObjectStore
+
+
+@dataclass(frozen=True)
+class ResolvedImage:
+    sha256: str
+    pixels: int  # width x height: a job's images together may hold at most settings.max_job_pixels
+
+    @classmethod
+    def of(cls, record: StoredImage) -> ResolvedImage:
+        return cls(record.id, record.width * record.height)
+
+
+class KnownImages:
+    """(tenant, image id) pairs this process has seen owned in SQL, with the image's pixels. Image and owner
+    rows are never deleted, so once seen a pair stays valid, and a job naming the tenant's uploaded images
+    needs no lookup (nor a session) after the first."""
+
+    def __init__(self, capacity: int = 100_000) -> None:
+        self.capacity = capacity
+        self._pixels: OrderedDict[tuple[str, str], int] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple[str, str]) -> int | None:
+        """The image's pixels if the pair is known (now the most recently used), else None."""
+        with self._lock:
+            pixels = self._pixels.get(key)
+            if pixels is not None:
+                self._pixels.move_to_end(key)
+            return pixels
+
+    def add(self, key: tuple[str, str], pixels: int) -> None:
+        with self._lock:
+            self._pixels[key] = pixels
+            self._pixels.move_to_end(key)
+            while len(self._pixels) > self.capacity:
+                self._pixels.popitem(last=False)
+
+
+known_images = KnownImages()
+# Pairs a session saw owned, remembered once its transaction commits: the read may have seen the session's own
+# uncommitted rows (an image stored by an earlier part of the same request), which a rollback takes away.
+_SEEN_OWNED = "vlmq_seen_owned_images"
+
+
+@event.listens_for(Session, "after_commit")
+def _remember_seen_owned(session: Session) -> None:
+    for key, pixels in session.info.pop(_SEEN_OWNED, ()):
+        known_images.add(key, pixels)
+
+
+@event.listens_for(Session, "after_rollback")
+def _forget_seen_owned(session: Session) -> None:
+    session.info.pop(_SEEN_OWNED, None)
+
+
+def known_image(url: str, tenant: str) -> ResolvedImage | None:
+    match = IMAGE_ID_RE.match(url)
+    pixels = known_images.get((tenant, match.group(1))) if match else None
+    return None if match is None or pixels is None else ResolvedImage(match.group(1), pixels)
+
+
+def resolve_image(url: str, session: Session, store: ObjectStore, settings: Settings, tenant: str
+                   ) -> ResolvedImage:
+    match = IMAGE_ID_RE.match(url)
+    if match:
+        record = owned_image(session, tenant, match.group(1))
+        if record is None:
+            raise SubmissionError(f"unknown image id {url!r}: upload it with POST /v1/images first", 400,
+                                  "unknown_image")
+        resolved = ResolvedImage.of(record)
+        session.info.setdefault(_SEEN_OWNED, []).append(((tenant, resolved.sha256), resolved.pixels))
+        return resolved
+    if url.startswith("data:"):
+        try:
+            data = parse_data_url(url)
+        except ImageError as exc:
+            raise SubmissionError(str(exc), 400, "invalid_image") from None
+        return ResolvedImage.of(store_image(session, store, data, settings, tenant))
+    if url[:8].lower().startswith(("http://", "https://")):
+        if not settings.image_urls_enabled:
+            raise SubmissionError("remote image URLs are not enabled on this server; send a data: URL or an "
+                                  "uploaded image id (img_...)", 400, "image_url_not_allowed")
+        try:
+            data = fetcher_for(settings).fetch(url)
+        except ImageFetchError as exc:
+            raise SubmissionError(str(exc), 400, exc.code) from None
+        return ResolvedImage.of(store_image(session, store, data, settings, tenant))
+    raise SubmissionError("image_url.url must be a data: URL or an uploaded image id (img_<sha256>)", 400,
+                          "invalid_image")

@@ -1,0 +1,113 @@
+"""Images stored once, under their content hash, for every tenant that sends the same bytes, and which tenants
+stored each: a tenant may see or name by id only the images it stored itself (image_owners).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import bindparam, select, text
+from sqlalchemy.orm import Session
+
+from common.domain.batches import insert_ignoring_conflicts
+from common.domain.models import DEFAULT_TENANT, ImageOwner, ImageRecord, utcnow
+from common.domain.submission_error import SubmissionError
+from common.images.decode import ImageError, inspect_image
+from common.infra.settings import Settings
+from common.infra.storage import ObjectStore, image_key
+
+IMAGE_ID_RE = re.compile(r"^(?:vlmq://)?img_([0-9a-f]{64})$")
+
+
+def image_public_id(sha256: str) -> str:
+    return f"img_{sha256}"
+
+
+@dataclass(frozen=True)
+class StoredImage:
+    """An image as one tenant sees it: its row, but created_at when this tenant first stored it."""
+
+    id: str  # sha256 hex of the bytes
+    format: str
+    width: int
+    height: int
+    size_bytes: int
+    created_at: datetime
+
+
+# Built once: a fresh select() per lookup cost more Python than the round trip (bench/ingest.py, new images).
+_OWNED_IMAGE = (
+    select(ImageRecord.id, ImageRecord.format, ImageRecord.width, ImageRecord.height, ImageRecord.size_bytes,
+           ImageOwner.created_at)
+    .join(ImageOwner, ImageOwner.image_id == ImageRecord.id)
+    .where(ImageOwner.tenant == bindparam("tenant"), ImageRecord.id == bindparam("sha256")))
+
+
+def owned_image(session: Session, tenant: str, sha256: str) -> StoredImage | None:
+    """The image as `tenant` sees it, if it stored it; None for an image stored only by others, as for none at
+    all. Its `created_at` is when this tenant first stored it: the image row's own would tell when anyone did."""
+    row = session.execute(_OWNED_IMAGE, {"tenant": tenant, "sha256": sha256}).first()
+    return None if row is None else StoredImage(*row)
+
+
+def store_image(session: Session, store: ObjectStore, data: bytes, settings: Settings,
+                tenant: str = DEFAULT_TENANT) -> StoredImage:
+    """Validate and store an image once (content-addressed), owned by `tenant` from then on; returns it as
+    `tenant` sees it (owned_image).
+
+    Only the tenant's own images take the short path. One that another tenant stored goes the whole way
+    (checked, written again: the same bytes under the same key) and is answered from what this request
+    computed, as a new image is, so neither the answer nor its timing tells a tenant that somebody else sent
+    these bytes."""
+    if len(data) > settings.max_image_bytes:
+        raise SubmissionError(
+            f"image is {len(data)} bytes; the limit is {settings.max_image_bytes}", 413, "image_too_large"
+        )
+    sha256 = hashlib.sha256(data).hexdigest()
+    existing = owned_image(session, tenant, sha256)
+    if existing is not None:
+        return existing
+    try:
+        info = inspect_image(
+            data,
+            max_pixels=settings.max_image_pixels,
+            allowed_formats=tuple(settings.allowed_image_formats),
+            max_frames=settings.max_image_frames,
+            check=settings.image_check,
+        )
+    except ImageError as exc:
+        raise SubmissionError(str(exc), 400, "invalid_image") from None
+    # No HEAD first: the key is the content's hash, so a PUT over an object left by an earlier attempt writes
+    # the same bytes, and a new image (the case that reaches here) costs one S3 round trip instead of two.
+    store.put(image_key(sha256), data, content_type=f"image/{info.format.lower()}")
+    values: dict[str, Any] = {"id": sha256, "format": info.format, "width": info.width, "height": info.height,
+              "size_bytes": info.size_bytes, "created_at": utcnow()}
+    if _insert_image(session, values, tenant):
+        return StoredImage(**values)
+    # Another request of this tenant's stored it a moment ago.
+    stored = owned_image(session, tenant, sha256)
+    assert stored is not None  # the insert was refused only because the tenant's row is there
+    return stored
+
+
+# Both rows in one round trip (a second INSERT slowed the ingestion of new images, bench/ingest.py). The image
+# row may be another tenant's already: the same bytes, so the same values.
+_PG_INSERT_IMAGE = text(
+    "WITH image AS (INSERT INTO images (id, format, width, height, size_bytes, created_at) "
+    "VALUES (:id, :format, :width, :height, :size_bytes, :created_at) ON CONFLICT (id) DO NOTHING) "
+    "INSERT INTO image_owners (tenant, image_id, created_at) VALUES (:tenant, :id, :created_at) "
+    "ON CONFLICT (tenant, image_id) DO NOTHING RETURNING tenant")
+
+
+def _insert_image(session: Session, values: dict[str, Any], tenant: str) -> bool:
+    """INSERT .. ON CONFLICT DO NOTHING the image's row and its owner's; whether the owner's was new."""
+    if session.get_bind().dialect.name == "postgresql":
+        return session.execute(_PG_INSERT_IMAGE, {**values, "tenant": tenant}).first() is not None
+    insert_ignoring_conflicts(session, ImageRecord, [values], ["id"])
+    owner = {"tenant": tenant, "image_id": values["id"], "created_at": values["created_at"]}
+    return bool(insert_ignoring_conflicts(session, ImageOwner, [owner], ["tenant", "image_id"],
+                                          returning=ImageOwner.tenant))

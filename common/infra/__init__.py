@@ -1,0 +1,1 @@
+"""Settings, the database, object storage, logs, migrations and process utilities."""

@@ -1,0 +1,1 @@
+"""Batches: ingesting an input file into jobs, datasets, archives and finalizing the output."""

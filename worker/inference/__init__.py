@@ -1,0 +1,1 @@
+"""Inference: model loading, generation requests, preprocessing, the HF fallback and the batcher."""

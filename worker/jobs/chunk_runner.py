@@ -1,0 +1,201 @@
+"""The rows of one run_job message as one chunk: claimed together, fed to the engine from the message's thread,
+finished in bulk as each result arrives.
+
+A batch row is small work for the queue to carry: per row, a thread of its own, its own claim and finish
+hand-offs and their waits cost more of the worker's GIL than preparing the row does. So a chunk's rows are
+claimed in one group (common.domain.jobs.claim_many, under one lease time); each text-only batch row is templated,
+tokenised and submitted in turn on the message's thread; and as the engine ends each, its result is queued to
+the state writer, whose group commit records the chunk's finished rows in bulk UPDATEs as they finish, not at
+the chunk's end. No thread waits on a row.
+
+Rows that need more go to the job pool (worker/jobs/group.py) and run exactly as a message of their own would:
+rows with images (fetched from storage, decoded, perhaps prepared in other processes), single REST jobs (a
+result object to write first), and rows the chunk's claim did not take (a duplicate delivery, or a last try,
+which runs alone behind the solo gate). Crash safety is the pipeline's: a row's finish is conditional on its
+lease, so a worker killed mid-chunk loses only its unfinished rows' work, which runs again after the reaper or
+redelivery.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import replace
+from functools import partial
+
+from common.domain import jobs
+from common.domain.claimed_job import ClaimedJob
+from common.images.decode import ImageError
+from common.infra.logs import log_fields
+from worker.inference.generation import GenerationResult, InputError
+from worker.jobs.group import JobGroupRunner
+from worker.jobs.pipeline import JobPipeline, Outcome
+from worker.jobs.request import NO_IMAGES, generation_request, has_images
+from worker.jobs.retry import infra_retry
+
+log = logging.getLogger(__name__)
+
+OnJobDone = Callable[[str, Outcome | Exception], None]
+
+
+class _Chunk:
+    """The rows of one chunk that are in flight on the fast path: counts them down as they end."""
+
+    def __init__(self, on_job_done: OnJobDone | None) -> None:
+        self.on_job_done = on_job_done
+        self.outcomes: dict[str, Outcome | Exception] = {}
+        self._open = 0
+        self._lock = threading.Lock()
+        self._all_ended = threading.Event()
+        self._all_ended.set()
+
+    def open(self) -> None:
+        with self._lock:
+            self._open += 1
+            self._all_ended.clear()
+
+    def end(self, job_id: str, outcome: Outcome | Exception) -> None:
+        with self._lock:
+            self.outcomes[job_id] = outcome
+        if self.on_job_done is not None:
+            try:
+                self.on_job_done(job_id, outcome)
+            except Exception:  # the row has ended whatever its follow-up does; the chunk must not hang
+                log.exception("job %s: its follow-up failed", job_id)
+        with self._lock:
+            self._open -= 1
+            if self._open == 0:
+                self._all_ended.set()
+
+    def wait(self) -> None:
+        self._all_ended.wait()
+
+
+class ChunkRunner:
+    def __init__(self, pipeline: JobPipeline, pool: JobGroupRunner) -> None:
+        self.pipeline = pipeline
+        self.pool = pool
+
+    def run(self, job_ids: list[str], on_job_done: OnJobDone | None = None) -> list[Outcome | Exception]:
+        """Each row's outcome, or the exception that kept it from being claimed (SQL unreachable), in order;
+        `on_job_done(job_id, outcome)` is called as each ends, on whichever thread ended it."""
+        pipeline = self.pipeline
+        unique = list(dict.fromkeys(job_ids))
+        chunk = _Chunk(on_job_done)
+        elsewhere: dict[str, Future[Outcome]] = {}
+        with pipeline.gate.shared():
+            with pipeline.clock.stage("claim", calls=len(unique)):
+                claims = self._claim(unique)
+            for job_id in unique:
+                claim = claims[job_id]
+                if isinstance(claim, Exception):
+                    chunk.open()
+                    chunk.end(job_id, claim)
+                elif claim is None:
+                    # Not taken: run as its own message would, after this chunk lets the gate go (a last try
+                    # waits there for every shared run to end, this chunk's included).
+                    continue
+                else:
+                    pipeline.leases.add(job_id)
+                    if claim.batch_id is None or has_images(claim.request):
+                        elsewhere[job_id] = self.pool.submit(pipeline.run_held, claim, on_job_done)
+                    else:
+                        chunk.open()
+                        self._start(claim, chunk)
+            chunk.wait()
+            for future in list(elsewhere.values()):
+                future.exception()  # the gate is held until every row this chunk claimed has ended
+        for job_id in unique:
+            if claims[job_id] is None:
+                elsewhere[job_id] = self.pool.submit(pipeline.run, job_id, on_job_done)
+        outcomes: list[Outcome | Exception] = []
+        reported: set[str] = set()
+        for job_id in job_ids:
+            if job_id in reported:
+                outcomes.append(Outcome("skipped"))  # named twice in one message: it ran once
+                continue
+            reported.add(job_id)
+            if job_id in chunk.outcomes:
+                outcomes.append(chunk.outcomes[job_id])
+            else:
+                outcomes.append(self.pool.outcome(elsewhere[job_id]))
+        return outcomes
+
+    @infra_retry
+    def _claim_all(self, job_ids: list[str]) -> dict[str, ClaimedJob | Exception | None]:
+        claims = self.pipeline.writer.claim_all(job_ids)
+        if any(isinstance(claim, Exception) for claim in claims.values()) and not any(
+                isinstance(claim, ClaimedJob) for claim in claims.values()):
+            raise next(claim for claim in claims.values() if isinstance(claim, Exception))
+        return claims
+
+    def _claim(self, job_ids: list[str]) -> dict[str, ClaimedJob | Exception | None]:
+        try:
+            return self._claim_all(job_ids)
+        except Exception as exc:
+            return dict.fromkeys(job_ids, exc)
+
+    def _start(self, job: ClaimedJob, chunk: _Chunk) -> None:
+        """Prepare and submit one claimed text-only batch row; its end comes through callbacks."""
+        pipeline = self.pipeline
+        try:
+            with pipeline.clock.stage("prepare"):
+                request = generation_request(job.id, job.request, job.priority, pipeline.settings, NO_IMAGES,
+                                             job.tenant)
+                prepared = pipeline.generator.prepare(request)
+            future = pipeline.generator.submit(prepared)
+        except (InputError, ImageError) as exc:
+            self._end_on_pool(job, chunk, pipeline.fail, job, "invalid_input", str(exc))
+            return
+        except Exception as exc:
+            with log_fields(job_id=job.id):
+                log.exception("job %s failed on attempt %d", job.id, job.attempts)
+            self._end_on_pool(job, chunk, pipeline.release, job, "worker_error", f"{type(exc).__name__}: {exc}")
+            return
+        future.add_done_callback(partial(self._generated, job, chunk))
+
+    def _generated(self, job: ClaimedJob, chunk: _Chunk, future: Future[GenerationResult]) -> None:
+        """On the engine's result thread (or the submitting one): never block here."""
+        error = future.exception()
+        if error is not None:
+            log.error("job %s failed on attempt %d: %s: %s", job.id, job.attempts, type(error).__name__, error)
+            self._end_on_pool(job, chunk, self.pipeline.release, job, "worker_error",
+                              f"{type(error).__name__}: {error}")
+            return
+        result = future.result()
+        job_result = jobs.JobResult(None, result.text, result.finish_reason, result.prompt_tokens,
+                                    result.completion_tokens)
+        try:
+            finish = self.pipeline.writer.finish_later(job.id, job_result)
+        except Exception:  # the writer is closing: finish the slow way
+            self._end_on_pool(job, chunk, self.pipeline.finish, job, job_result)
+            return
+        finish.add_done_callback(partial(self._finished, job, job_result, chunk))
+
+    def _finished(self, job: ClaimedJob, job_result: jobs.JobResult, chunk: _Chunk, finish: Future[bool]) -> None:
+        """On the state writer's thread: never block here. A failed group write is retried on the pool."""
+        if finish.exception() is not None:
+            self._end_on_pool(job, chunk, self.pipeline.finish, job, job_result)
+            return
+        self._end(job, chunk, self.pipeline.finished(job, job_result, finish.result()))
+
+    def _end_on_pool(self, job: ClaimedJob, chunk: _Chunk, work: Callable[..., Outcome], *args: object) -> None:
+        """Blocking ends (SQL with retries) of rare rows run on the job pool, off the engine's and writer's
+        threads."""
+        def run() -> None:
+            try:
+                outcome: Outcome | Exception = work(*args)
+            except Exception as exc:
+                outcome = exc
+            self._end(job, chunk, outcome)
+
+        self.pool.submit_call(run)
+
+    def _end(self, job: ClaimedJob, chunk: _Chunk, outcome: Outcome | Exception) -> None:
+        self.pipeline.leases.discard(job.id)
+        if isinstance(outcome, Outcome):
+            outcome = replace(outcome, tenant=job.tenant, model=job.model, batch_id=job.batch_id)
+        chunk.end(job.id, outcome)
+
