@@ -20,7 +20,8 @@ from types import SimpleNamespace
 
 import redis
 
-from worker.jobs.pipeline import Outcome
+from common.domain.models import JobStatus
+from worker.jobs.pipeline import Ending, Outcome
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "/models/stub-worker"  # names the queue: senders use it too
@@ -32,7 +33,7 @@ class InstantPipeline:
 
     def run(self, job_id: str) -> Outcome:
         self.client.incr("done")
-        return Outcome("skipped")  # no SQL here: nothing for the after-job bookkeeping to do
+        return Outcome(Ending.SKIPPED)  # no SQL here: nothing for the after-job bookkeeping to do
 
 
 class HeldPipeline:
@@ -50,10 +51,10 @@ class HeldPipeline:
             while not self.client.exists("go"):
                 time.sleep(0.01)
             if job_id.startswith("again") and self.client.incr(f"tries:{job_id}") == 1:
-                return Outcome("queued", retry=True)
+                return Outcome(JobStatus.QUEUED, retry=True)
             if job_id.startswith("broken") and self.client.incr(f"tries:{job_id}") == 1:
                 raise RuntimeError("SQL is down")
-            return Outcome("skipped")
+            return Outcome(Ending.SKIPPED)
         finally:
             with self.lock:
                 self.running -= 1

@@ -36,7 +36,7 @@ from common.infra.debounce import Debouncer
 from common.infra.settings import Settings, get_settings
 from common.infra.storage import ObjectStore, make_store
 from worker.context import WorkerContext, get_context
-from worker.jobs.pipeline import Outcome
+from worker.jobs.pipeline import Ending, Outcome
 from worker.jobs.prefetch_share import PrefetchShare
 
 log = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ def register_tasks(app: Celery) -> None:
         except Exception as exc:
             # SQL unreachable before the job was even claimed: the row is still queued, so deliver again later.
             raise self.retry(exc=exc, countdown=ctx.settings.retry_backoff_seconds, max_retries=20) from exc
-        if not outcome.retry and outcome.status != "skipped":
+        if not outcome.retry and outcome.status != Ending.SKIPPED:
             _after_job(app, ctx.db, ctx.settings, job_ids, outcome)
         if outcome.retry:
             raise self.retry(countdown=_backoff(self, ctx.settings.retry_backoff_seconds))
@@ -191,7 +191,7 @@ def _run_jobs(task: Task, app: Celery, ctx: WorkerContext, job_ids: list[str]) -
 
     def ended(job_id: str, result: Outcome | Exception) -> None:
         _prefetch.give_back(task_id, 1)  # a slot of this message's for the worker's next job
-        if isinstance(result, Outcome) and not result.retry and result.status != "skipped":
+        if isinstance(result, Outcome) and not result.retry and result.status != Ending.SKIPPED:
             _after_job(app, ctx.db, ctx.settings, job_id, result)
 
     try:

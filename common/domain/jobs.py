@@ -249,7 +249,7 @@ def fail(session: Session, job_id: str, worker_id: str, code: str, message: str)
     return rowcount(session, stmt) == 1
 
 
-def release(session: Session, job_id: str, worker_id: str, code: str, message: str) -> str | None:
+def release(session: Session, job_id: str, worker_id: str, code: str, message: str) -> JobStatus | None:
     """Give a job back after a transient error: `queued` again, or `dead` once attempts are used up.
 
     Returns the new status, or None when the worker no longer held the job."""

@@ -6,6 +6,7 @@ import logging
 import threading
 from typing import Any
 
+from common.domain.models import JobStatus
 from common.infra.logs import FieldsFilter, log_fields
 from worker.jobs.group import JobGroupRunner
 from worker.jobs.pipeline import Outcome
@@ -32,7 +33,7 @@ class _LoggingPipeline:
         logging.getLogger("vlmq.test.group").info("running %s", job_id)
         if job_id == "broken":
             raise ConnectionError("SQL is unreachable")
-        return Outcome("succeeded")
+        return Outcome(JobStatus.SUCCEEDED)
 
 
 def test_each_job_logs_the_messages_fields_and_its_own_and_ends_on_its_own() -> None:
@@ -48,7 +49,7 @@ def test_each_job_logs_the_messages_fields_and_its_own_and_ends_on_its_own() -> 
     finally:
         logger.removeHandler(handler)
         runner.close()
-    assert outcomes[0] == outcomes[2] == Outcome("succeeded")
+    assert outcomes[0] == outcomes[2] == Outcome(JobStatus.SUCCEEDED)
     assert isinstance(outcomes[1], ConnectionError)
     assert sorted(job_id for job_id, _ in ended) == ["a", "broken", "c"]
     assert all(name.startswith("vlmq-job") for name in pipeline.threads)

@@ -31,7 +31,7 @@ from common.images.decode import ImageError
 from common.infra.logs import log_fields
 from worker.inference.generation import GenerationResult, InputError
 from worker.jobs.group import JobGroupRunner
-from worker.jobs.pipeline import JobPipeline, Outcome
+from worker.jobs.pipeline import Ending, JobPipeline, Outcome
 from worker.jobs.request import NO_IMAGES, generation_request, has_images
 from worker.jobs.retry import infra_retry
 
@@ -114,7 +114,7 @@ class ChunkRunner:
         reported: set[str] = set()
         for job_id in job_ids:
             if job_id in reported:
-                outcomes.append(Outcome("skipped"))  # named twice in one message: it ran once
+                outcomes.append(Outcome(Ending.SKIPPED))  # named twice in one message: it ran once
                 continue
             reported.add(job_id)
             if job_id in chunk.outcomes:

@@ -8,6 +8,7 @@ itself), and the row is finished before the message is acked, so a crash anywher
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 from contextlib import ExitStack
@@ -40,12 +41,21 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+
+
+class Ending(enum.StrEnum):
+    """How an attempt ended that left the job's status to someone else."""
+
+    SKIPPED = "skipped"  # a duplicate delivery: another worker holds the job, or it has ended
+    LOST = "lost"  # the lease was lost or the job cancelled while it ran: its result was refused
+
+
 @dataclass(frozen=True)
 class Outcome:
-    status: str  # the job's status after this attempt, or "skipped" for a duplicate delivery
+    status: JobStatus | Ending  # the job's status after this attempt, or how the attempt ended without one
     retry: bool = False
-    # Of the job that ran (set on every outcome but "skipped"): what the after-job bookkeeping needs, without
-    # a query.
+    # Of the job that ran (set on every outcome but a skipped one): what the after-job bookkeeping needs,
+    # without a query.
     tenant: str | None = None
     model: str | None = None
     batch_id: str | None = None
@@ -90,11 +100,11 @@ class JobPipeline:
             if job is not None:
                 return self._run_leased(job)
         if not self._claimable_last_try(job_id):
-            return Outcome("skipped")  # a duplicate delivery: someone holds it, or it has ended
+            return Outcome(Ending.SKIPPED)  # a duplicate delivery: someone holds it, or it has ended
         with self.gate.solo():
             job = self._claim(job_id)
             if job is None:
-                return Outcome("skipped")
+                return Outcome(Ending.SKIPPED)
             return self._run_leased(job)
 
     def _run_leased(self, job: ClaimedJob) -> Outcome:
@@ -184,7 +194,7 @@ class JobPipeline:
             log.info("job %s: lease lost or cancelled; result discarded", job.id)
             if job_result.result_key is not None:
                 self._drop_orphan(job.id, job_result.result_key)
-            return Outcome("lost")
+            return Outcome(Ending.LOST)
         return Outcome(JobStatus.SUCCEEDED)
 
     def _drop_orphan(self, job_id: str, key: str) -> None:
@@ -218,12 +228,12 @@ class JobPipeline:
     def fail(self, job: ClaimedJob, code: str, message: str) -> Outcome:
         with self.db.session() as session:
             failed = jobs.fail(session, job.id, self.worker_id, code, message)
-        return Outcome(JobStatus.FAILED if failed else "lost")
+        return Outcome(JobStatus.FAILED if failed else Ending.LOST)
 
     @infra_retry
     def release(self, job: ClaimedJob, code: str, message: str) -> Outcome:
         with self.db.session() as session:
             status = jobs.release(session, job.id, self.worker_id, code, message)
         if status is None:
-            return Outcome("lost")
+            return Outcome(Ending.LOST)
         return Outcome(status, retry=status == JobStatus.QUEUED)
