@@ -4,6 +4,7 @@ POST /v1/chat/completions share, so both check, store and send a job the same wa
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import Any
 
 from fastapi import Request
@@ -55,14 +56,6 @@ def _create(state: AppState, tenant: str, req: ChatCompletionRequest, idempotenc
                                   idempotency_key=idempotency_key, tenant=tenant)
         view, job_priority = job_view(job), job.priority
     if created:
-        try:
-            send_run_job(state.celery, state.settings, view.id, job_priority)
-        except Exception:
-            # The job is durable in SQL as `queued`; marked unsent, the next dispatch sweep sends it.
-            log.exception("could not dispatch job %s", view.id)
-            try:
-                with state.db.session() as session:
-                    dispatch.mark_unsent(session, [view.id])
-            except Exception:
-                log.exception("could not mark job %s unsent", view.id)
+        dispatch.send_or_mark_unsent(state.db, [view.id], partial(
+            send_run_job, state.celery, state.settings, view.id, job_priority))
     return view.model_dump_json(), created

@@ -16,6 +16,7 @@ import threading
 from collections import defaultdict
 from concurrent.futures import Future
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from sqlalchemy.exc import InterfaceError, OperationalError
@@ -106,13 +107,5 @@ class JobWriter:
         for job_id, priority, _ in views:
             by_priority[priority].append(job_id)
         for priority, job_ids in by_priority.items():
-            try:
-                send_run_jobs(self.state.celery, self.state.settings, job_ids, priority)
-            except Exception:
-                # The jobs are durable in SQL as `queued`; marked unsent, the next dispatch sweep sends them.
-                log.exception("could not dispatch %d jobs", len(job_ids))
-                try:
-                    with self.state.db.session() as session:
-                        dispatch.mark_unsent(session, job_ids)
-                except Exception:
-                    log.exception("could not mark %d jobs unsent", len(job_ids))
+            dispatch.send_or_mark_unsent(self.state.db, job_ids, partial(
+                send_run_jobs, self.state.celery, self.state.settings, job_ids, priority))

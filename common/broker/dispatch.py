@@ -118,6 +118,22 @@ def lost_messages(db: Database, live_ids: set[str], grace: timedelta) -> list[st
     return lost
 
 
+def send_or_mark_unsent(db: Database, job_ids: list[str], send: Callable[[], object]) -> bool:
+    """`send()` the run_job messages of jobs already committed `queued`; where it fails, mark them unsent, and
+    the next top-up (the sweep's, if no job end asks sooner) sends them. Returns whether the send went through."""
+    try:
+        send()
+        return True
+    except Exception:
+        log.exception("could not dispatch %d jobs", len(job_ids))
+    try:
+        with db.session() as session:
+            mark_unsent(session, job_ids)
+    except Exception:  # still queued in SQL: the republisher finds them once their grace has passed
+        log.exception("could not mark %d jobs unsent", len(job_ids))
+    return False
+
+
 def mark_unsent(session: Session, job_ids: list[str]) -> int:
     """Their messages never reached the broker (or were lost): the next top-up sends them again."""
     stmt = (

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from sqlalchemy import insert, select
+from sqlalchemy import update as sa_update
 
 from common.broker import dispatch
 from common.domain import jobs
@@ -123,6 +124,23 @@ def test_a_failed_send_leaves_jobs_unsent_and_the_sweep_sends_them(db: Database)
     assert dispatch.top_up_all(db, window, broker.send) == 3
     assert sorted(m[2] for m in broker.messages) == sorted(ids)
     assert dispatch.top_up_all(db, window, broker.send) == 0  # nothing sent twice
+
+
+def test_a_job_written_sent_at_once_and_refused_by_the_broker_is_sent_by_the_next_top_up(db: Database) -> None:
+    """POST /v1/jobs and the API's group writer send a committed job's message at once
+    (dispatch.send_or_mark_unsent): a broker that refuses leaves the job unsent, never sent-without-a-message."""
+    window, broker = 5, Broker()
+    ids = add_batch_jobs(db, "t", 2)
+    with db.session() as session:
+        session.execute(sa_update(Job).where(Job.id.in_(ids)).values(dispatched_at=utcnow()))
+    broker.fail = True
+    assert not dispatch.send_or_mark_unsent(db, ids, lambda: broker.send(MODEL, ids, 5))
+    with db.session() as session:
+        assert dispatch.in_flight(session, "t", MODEL) == 0
+    broker.fail = False
+    assert dispatch.send_or_mark_unsent(db, ids[:1], lambda: broker.send(MODEL, ids[:1], 5))
+    assert dispatch.top_up_all(db, window, broker.send) == 2
+    assert sorted(m[2] for m in broker.messages) == sorted([ids[0], *ids])
 
 
 def test_reaped_jobs_are_sent_again(db: Database) -> None:
