@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 from functools import partial
-from typing import Any
 
 from fastapi import Request
 from fastapi.concurrency import run_in_threadpool
@@ -14,6 +13,7 @@ from api.deps import AppState
 from api.job_writer import JobWriter
 from common.broker import dispatch
 from common.broker.queue import send_run_job
+from common.domain.jobs import NewJob
 from common.domain.schemas import ChatCompletionRequest
 from common.domain.submission import job_fields, needs_session, submit_job
 from common.domain.views import job_view
@@ -42,7 +42,7 @@ async def submit(request: Request, state: AppState, tenant: str, req: ChatComple
     return await writer.write(fields), True
 
 
-def _fields_with_images(state: AppState, tenant: str, req: ChatCompletionRequest, priority: int) -> dict[str, Any]:
+def _fields_with_images(state: AppState, tenant: str, req: ChatCompletionRequest, priority: int) -> NewJob:
     with state.db.session() as session:
         return job_fields(session, state.store, state.settings, req, priority=priority, tenant=tenant)
 

@@ -17,7 +17,6 @@ from collections import defaultdict
 from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
 
 from sqlalchemy.exc import InterfaceError, OperationalError
 
@@ -36,7 +35,7 @@ _UNREACHABLE = (OperationalError, InterfaceError)
 
 @dataclass
 class _Pending:
-    fields: dict[str, Any]  # common.domain.jobs.new_job's keyword arguments
+    fields: jobs.NewJob
     answer: Future[str]  # the job's JSON view, once committed
 
 
@@ -48,8 +47,8 @@ class JobWriter:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
-    async def write(self, fields: dict[str, Any]) -> str:
-        """Commit a new queued job (new_job's `fields`) and dispatch it; its JSON view."""
+    async def write(self, fields: jobs.NewJob) -> str:
+        """Commit a new queued job and dispatch it; its JSON view."""
         self._ensure_started()
         answer: Future[str] = Future()
         self._queue.put(_Pending(fields, answer))
@@ -81,7 +80,7 @@ class JobWriter:
     def _write(self, batch: list[_Pending]) -> None:
         try:
             with self.state.db.session() as session:
-                made = [jobs.new_job(**p.fields) for p in batch]
+                made = [p.fields.job() for p in batch]
                 session.add_all(made)
                 session.flush()
                 views = [(job.id, job.priority, job_view(job).model_dump_json()) for job in made]

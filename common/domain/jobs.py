@@ -34,6 +34,37 @@ class JobResult:
     completion_tokens: int
 
 
+@dataclass(frozen=True)
+class NewJob:
+    """What a job is made of, checked and normalised at submission (common.domain.submission.job_fields), on
+    its way to its row; `dispatched`: the submitter sends its run_job message right after the commit."""
+
+    model: str
+    request: dict[str, Any]
+    priority: int = 5
+    max_attempts: int = 3
+    metadata: dict[str, Any] | None = None
+    batch_id: str | None = None
+    custom_id: str | None = None
+    tenant: str = DEFAULT_TENANT
+    dispatched: bool = True
+
+    def job(self, idempotency_key: str | None = None) -> Job:
+        """Its row, not yet added to a session."""
+        return new_job(model=self.model, request=self.request, priority=self.priority,
+                       max_attempts=self.max_attempts, metadata=self.metadata, idempotency_key=idempotency_key,
+                       batch_id=self.batch_id, custom_id=self.custom_id, tenant=self.tenant,
+                       dispatched=self.dispatched)
+
+
+def add_job(session: Session, new: NewJob, idempotency_key: str | None = None) -> Job:
+    """The job's row, written (flushed) in `session`."""
+    job = new.job(idempotency_key)
+    session.add(job)
+    session.flush()
+    return job
+
+
 def create_job(session: Session, **fields: Any) -> Job:
     """A queued job, written (flushed) in `session`; `fields` as new_job's."""
     job = new_job(**fields)

@@ -109,15 +109,15 @@ def job_fields(
     session: Session | None, store: ObjectStore, settings: Settings, req: ChatCompletionRequest, *,
     priority: int = 5, metadata: dict[str, Any] | None = None, tenant: str = DEFAULT_TENANT,
     batch_id: str | None = None, custom_id: str | None = None, dispatched: bool = True,
-) -> dict[str, Any]:
-    """common.domain.jobs.new_job's arguments for `req`, checked and normalised (see normalize_request)."""
+) -> jobs.NewJob:
+    """The job `req` asks for, checked and normalised (see normalize_request)."""
     if isinstance(req, JobCreate):
         # A null priority was read as the default already (ChatCompletionRequest._null_means_default).
         priority, metadata = priority if req.priority is None else req.priority, req.metadata
-    return {"model": resolve_model(req.model, settings),
-            "request": normalize_request(req, session, store, settings, tenant=tenant),
-            "priority": priority, "max_attempts": settings.max_attempts, "metadata": metadata,
-            "batch_id": batch_id, "custom_id": custom_id, "tenant": tenant, "dispatched": dispatched}
+    return jobs.NewJob(model=resolve_model(req.model, settings),
+                       request=normalize_request(req, session, store, settings, tenant=tenant),
+                       priority=priority, max_attempts=settings.max_attempts, metadata=metadata,
+                       batch_id=batch_id, custom_id=custom_id, tenant=tenant, dispatched=dispatched)
 
 
 def submit_job(
@@ -145,10 +145,10 @@ def submit_job(
         return _same_request(existing, fields, idempotency_key), False
     if idempotency_key is None:
         # Nothing to race on (ids are random): no savepoint, which costs two round trips per job.
-        return jobs.create_job(session, **fields), True
+        return jobs.add_job(session, fields), True
     try:
         with session.begin_nested():
-            job = jobs.create_job(session, idempotency_key=idempotency_key, **fields)
+            job = jobs.add_job(session, fields, idempotency_key)
     except IntegrityError:
         existing = _by_idempotency_key(session, tenant, idempotency_key)
         if existing is None:
@@ -157,10 +157,10 @@ def submit_job(
     return job, True
 
 
-def _same_request(job: Job, fields: dict[str, Any], key: str) -> Job:
+def _same_request(job: Job, fields: jobs.NewJob, key: str) -> Job:
     """`job` if `fields` ask for what it was created with: a key reused for another request is a client bug
     that answering with the old job would hide."""
-    asked = json.loads(json.dumps([fields["model"], fields["request"], fields["priority"], fields["metadata"]]))
+    asked = json.loads(json.dumps([fields.model, fields.request, fields.priority, fields.metadata]))
     if asked != [job.model, job.request, job.priority, job.metadata_]:
         raise SubmissionError(f"Idempotency-Key {key[:80]!r} was already used for a different request (job "
                               f"{job.id}); use a new key for a new request", 422, "idempotency_key_reused")

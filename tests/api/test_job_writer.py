@@ -13,6 +13,7 @@ from sqlalchemy import func, select
 
 from api.job_writer import JobWriter, _Pending
 from api.main import create_app
+from common.domain.jobs import NewJob
 from common.domain.models import Job
 from common.infra.settings import Settings
 
@@ -30,11 +31,11 @@ def test_writer_commits_together_and_survives_abandoned_requests(tmp_path: Path)
     abandoned: Future[str] = Future()
     abandoned.cancel()  # its client disconnected before the writer got to it
     writer._ensure_started()
-    writer._queue.put(_Pending({"model": "tiny", "request": REQUEST, "tenant": "t"}, abandoned))
+    writer._queue.put(_Pending(NewJob(model="tiny", request=REQUEST, tenant="t"), abandoned))
 
     async def submit_many() -> list[str]:
-        return await asyncio.gather(*(writer.write({"model": "tiny", "request": REQUEST, "tenant": "t",
-                                                    "metadata": {"i": str(i)}}) for i in range(20)))
+        return await asyncio.gather(*(writer.write(NewJob(model="tiny", request=REQUEST, tenant="t",
+                                                           metadata={"i": str(i)})) for i in range(20)))
 
     views = asyncio.run(submit_many())
     assert len({v for v in views}) == 20
@@ -56,7 +57,7 @@ def test_one_unwritable_request_fails_alone_in_its_group(tmp_path: Path) -> None
     answers: list[Future[str]] = [Future() for _ in range(9)]
     for i, answer in enumerate(answers):  # queued before the writer starts: one group of nine
         metadata = {"i": "bad\udc00"} if i == 4 else {"i": str(i)}
-        writer._queue.put(_Pending({"model": "tiny", "request": REQUEST, "tenant": "t", "metadata": metadata}, answer))
+        writer._queue.put(_Pending(NewJob(model="tiny", request=REQUEST, tenant="t", metadata=metadata), answer))
     writer._ensure_started()
     for i, answer in enumerate(answers):
         if i == 4:
