@@ -27,17 +27,14 @@ from functools import partial
 
 from common.domain import jobs
 from common.domain.claimed_job import ClaimedJob
-from common.images.decode import ImageError
 from common.infra.logs import log_fields
 from worker.inference.generation import GenerationResult, InputError
-from worker.jobs.group import JobGroupRunner
+from worker.jobs.group import JobGroupRunner, OnJobDone
 from worker.jobs.pipeline import Ending, JobPipeline, Outcome
 from worker.jobs.request import NO_IMAGES, generation_request, has_images
 from worker.jobs.retry import infra_retry
 
 log = logging.getLogger(__name__)
-
-OnJobDone = Callable[[str, Outcome | Exception], None]
 
 
 class _Chunk:
@@ -146,7 +143,7 @@ class ChunkRunner:
                                              job.tenant)
                 prepared = pipeline.generator.prepare(request)
             future = pipeline.generator.submit(prepared)
-        except (InputError, ImageError) as exc:
+        except InputError as exc:  # a text-only row: no image to be refused
             self._end_on_pool(job, chunk, pipeline.fail, job, "invalid_input", str(exc))
             return
         except Exception as exc:
