@@ -35,6 +35,7 @@ from common.infra.settings import Settings  # noqa: E402
 from common.infra.storage import S3ObjectStore, image_key  # noqa: E402
 from tests.s3_server import ACCESS_KEY, SECRET_KEY, S3Server  # noqa: E402
 from tests.tiny_families import FAMILIES, build_tiny  # noqa: E402
+from worker.jobs.image_reader import ImageReader  # noqa: E402
 from worker.jobs.request import fetch_images, generation_request  # noqa: E402
 
 BUCKET = "prepare-bench"
@@ -75,7 +76,8 @@ def in_threads(settings: Settings, image_ids: list[str], threads: int) -> tuple[
 
     def one(i: int) -> None:
         job = request(image_ids[i])
-        req = generation_request(f"job-{i}", job, 0, settings, fetch_images(job, settings, store.get), "bench")
+        images = fetch_images(job, settings, ImageReader(store).read)
+        req = generation_request(f"job-{i}", job, 0, settings, images, "bench")
         with lock:
             prepare_input(front, family, req)
 

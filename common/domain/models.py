@@ -96,7 +96,7 @@ class Base(DeclarativeBase):
 
 
 class ImageRecord(Base):
-    """An image stored once in object storage under images/<sha256>."""
+    """An image stored once in object storage: under images/<sha256>, or inside a pack (common/images/pack.py)."""
 
     __tablename__ = "images"
 
@@ -106,6 +106,9 @@ class ImageRecord(Base):
     height: Mapped[int] = mapped_column(Integer)
     size_bytes: Mapped[int] = mapped_column(BigInteger)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    # The pack its bytes lie in and where, since size_bytes long; NULL: an object of its own.
+    pack_key: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    pack_offset: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
 
 
 class ImageOwner(Base):
@@ -142,7 +145,8 @@ class Job(Base):
     status: Mapped[str] = mapped_column(String(16), index=True, default=JobStatus.QUEUED)
     model: Mapped[str] = mapped_column(String(255))
     priority: Mapped[int] = mapped_column(Integer, default=5)
-    # Normalised chat request: messages with image parts as {"type": "image", "image_id": sha256}, sampling.
+    # Normalised chat request: messages with image parts as {"type": "image", "image_id": sha256} (and, for an
+    # image in a pack, "pack", "offset", "size": common/images/pack.py), sampling.
     request: Mapped[dict[str, Any]] = mapped_column(JSON)
     metadata_: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSON, nullable=True)
     idempotency_key: Mapped[str | None] = mapped_column(String(255), nullable=True)

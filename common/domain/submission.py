@@ -21,6 +21,7 @@ from common.domain.prompt_size import check_prompt_size
 from common.domain.schemas import ChatCompletionRequest, ImagePart, JobCreate, TextPart
 from common.domain.submission_error import SubmissionError
 from common.images.cache import ImageCache
+from common.images.pack import ImagePack
 from common.images.refs import ResolvedImage, known_image, resolve_image
 from common.infra.settings import Settings
 from common.infra.storage import ObjectStore
@@ -37,13 +38,14 @@ def needs_session(req: ChatCompletionRequest, tenant: str = DEFAULT_TENANT) -> b
 def normalize_request(
     req: ChatCompletionRequest, session: Session | None, store: ObjectStore, settings: Settings,
     images: ImageCache[ResolvedImage] | None = None, tenant: str = DEFAULT_TENANT,
-    model_files: str | Literal["served"] | None = "served",
+    model_files: str | Literal["served"] | None = "served", pack: ImagePack | None = None,
 ) -> dict[str, Any]:
     """The job's stored request: messages with images replaced by content hashes, and sampling. Images named
     by id must be the tenant's own. With `images` (one ingestion run's cache, so one tenant's), an image
     reference met before is not resolved again. Only a request with images to resolve needs a `session`
-    (see needs_session). The prompt is measured against the context of the model whose files are at
-    `model_files` ("served": settings.model; None: not known here, see common/domain/prompt_size.py)."""
+    (see needs_session); with `pack`, new images' bytes go into it (common/images/pack.py). The prompt is
+    measured against the context of the model whose files are at `model_files` ("served": settings.model;
+    None: not known here, see common/domain/prompt_size.py)."""
     check_prompt_size(req, settings, settings.model if model_files == "served" else model_files)
     messages: list[dict[str, Any]] = []
     num_images = pixels = 0
@@ -67,15 +69,13 @@ def normalize_request(
                 if resolved is None:
                     if session is None:
                         raise ValueError("a request with images to resolve is normalised in a session")
-                    if images is None:
-                        resolved = resolve_image(url, session, store, settings, tenant)
-                    else:
-                        resolved = images.resolve(url, partial(resolve_image, url, session, store, settings, tenant))
+                    resolve = partial(resolve_image, url, session, store, settings, tenant, pack)
+                    resolved = resolve() if images is None else images.resolve(url, resolve)
                 pixels += resolved.pixels
                 if pixels > settings.max_job_pixels:
                     raise SubmissionError(f"the job's images hold over {settings.max_job_pixels:,} pixels in all "
                                           "(width x height, summed), this server's limit", 400, "too_many_pixels")
-                parts.append({"type": "image", "image_id": resolved.sha256})
+                parts.append(resolved.as_part())
         messages.append({"role": role, "content": parts})
     # None: the worker's default (the model's generation_config max_new_tokens, else VLMQ_DEFAULT_MAX_TOKENS).
     max_tokens = req.max_completion_tokens or req.max_tokens

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
@@ -17,6 +17,7 @@ from common.domain.batches import insert_ignoring_conflicts
 from common.domain.models import DEFAULT_TENANT, ImageOwner, ImageRecord, utcnow
 from common.domain.submission_error import SubmissionError
 from common.images.decode import ImageError, inspect_image
+from common.images.pack import ImagePack, PackedImage
 from common.infra.settings import Settings
 from common.infra.storage import ObjectStore, image_key
 
@@ -37,12 +38,13 @@ class StoredImage:
     height: int
     size_bytes: int
     created_at: datetime
+    pack: PackedImage | None = None  # where its bytes lie in a pack; None: under image_key(id)
 
 
 # Built once: a fresh select() per lookup cost more Python than the round trip (bench/ingest.py, new images).
 _OWNED_IMAGE = (
     select(ImageRecord.id, ImageRecord.format, ImageRecord.width, ImageRecord.height, ImageRecord.size_bytes,
-           ImageOwner.created_at)
+           ImageOwner.created_at, ImageRecord.pack_key, ImageRecord.pack_offset)
     .join(ImageOwner, ImageOwner.image_id == ImageRecord.id)
     .where(ImageOwner.tenant == bindparam("tenant"), ImageRecord.id == bindparam("sha256")))
 
@@ -51,13 +53,18 @@ def owned_image(session: Session, tenant: str, sha256: str) -> StoredImage | Non
     """The image as `tenant` sees it, if it stored it; None for an image stored only by others, as for none at
     all. Its `created_at` is when this tenant first stored it: the image row's own would tell when anyone did."""
     row = session.execute(_OWNED_IMAGE, {"tenant": tenant, "sha256": sha256}).first()
-    return None if row is None else StoredImage(*row)
+    if row is None:
+        return None
+    sha, fmt, width, height, size_bytes, created_at, pack_key, pack_offset = row
+    pack = None if pack_key is None or pack_offset is None else PackedImage(pack_key, pack_offset, size_bytes)
+    return StoredImage(sha, fmt, width, height, size_bytes, created_at, pack)
 
 
 def store_image(session: Session, store: ObjectStore, data: bytes, settings: Settings,
-                tenant: str = DEFAULT_TENANT) -> StoredImage:
+                tenant: str = DEFAULT_TENANT, pack: ImagePack | None = None) -> StoredImage:
     """Validate and store an image once (content-addressed), owned by `tenant` from then on; returns it as
-    `tenant` sees it (owned_image).
+    `tenant` sees it (owned_image). With `pack`, a new image's bytes go into the pack, which the caller flushes
+    before the session commits; without, into an object of its own.
 
     Only the tenant's own images take the short path. One that another tenant stored goes the whole way
     (checked, written again: the same bytes under the same key) and is answered from what this request
@@ -81,24 +88,32 @@ def store_image(session: Session, store: ObjectStore, data: bytes, settings: Set
         )
     except ImageError as exc:
         raise SubmissionError(str(exc), 400, "invalid_image") from None
-    # No HEAD first: the key is the content's hash, so a PUT over an object left by an earlier attempt writes
-    # the same bytes, and a new image (the case that reaches here) costs one S3 round trip instead of two.
-    store.put(image_key(sha256), data, content_type=f"image/{info.format.lower()}")
+    packed = None
+    if pack is not None:
+        packed = pack.add(data)
+    else:
+        # No HEAD first: the key is the content's hash, so a PUT over an object left by an earlier attempt
+        # writes the same bytes, and a new image (the case that reaches here) costs one S3 round trip, not two.
+        store.put(image_key(sha256), data, content_type=f"image/{info.format.lower()}")
     values: dict[str, Any] = {"id": sha256, "format": info.format, "width": info.width, "height": info.height,
-              "size_bytes": info.size_bytes, "created_at": utcnow()}
+                              "size_bytes": info.size_bytes, "created_at": utcnow(),
+                              "pack_key": packed and packed.key, "pack_offset": packed and packed.offset}
     if _insert_image(session, values, tenant):
-        return StoredImage(**values)
+        return StoredImage(sha256, info.format, info.width, info.height, info.size_bytes, values["created_at"],
+                           packed)
     # Another request of this tenant's stored it a moment ago.
     stored = owned_image(session, tenant, sha256)
     assert stored is not None  # the insert was refused only because the tenant's row is there
-    return stored
+    # This copy's location serves as well as the row's, and the row may name none of its own.
+    return stored if packed is None else replace(stored, pack=packed)
 
 
 # Both rows in one round trip (a second INSERT slowed the ingestion of new images, bench/ingest.py). The image
 # row may be another tenant's already: the same bytes, so the same values.
 _PG_INSERT_IMAGE = text(
-    "WITH image AS (INSERT INTO images (id, format, width, height, size_bytes, created_at) "
-    "VALUES (:id, :format, :width, :height, :size_bytes, :created_at) ON CONFLICT (id) DO NOTHING) "
+    "WITH image AS (INSERT INTO images (id, format, width, height, size_bytes, created_at, pack_key, pack_offset) "
+    "VALUES (:id, :format, :width, :height, :size_bytes, :created_at, :pack_key, :pack_offset) "
+    "ON CONFLICT (id) DO NOTHING) "
     "INSERT INTO image_owners (tenant, image_id, created_at) VALUES (:tenant, :id, :created_at) "
     "ON CONFLICT (tenant, image_id) DO NOTHING RETURNING tenant")
 

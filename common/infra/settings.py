@@ -172,6 +172,10 @@ class Settings(BaseSettings):
     # start.
     ingest_first_chunk_rows: int = Field(default=64, ge=1, description="Input lines in an ingestion's first "
                                          "transaction; each next one doubles, up to ingest_chunk_rows.")
+    image_pack_bytes: int = Field(
+        default=16 * 1024 * 1024, ge=0, description="Most bytes of new images an ingestion writes as one object, a "
+        "pack (common/images/pack.py), so that workers read a chunk's images with one request; 0 stores each image "
+        "as an object of its own.")
     ingest_concurrency: int = Field(default=4, ge=1, description="Tasks a `vlmq ingest-worker` runs at once.")
     # Fair sharing: SQL holds every queued job; the broker gets at most this many of one tenant's jobs of one
     # model at a time (sent or running), refilled as they finish, so a tenant with a million queued rows holds

@@ -76,13 +76,14 @@ class Stack:
         assert file_id is not None
         return [json.loads(x) for x in self.client.files.content(file_id).text.splitlines()]
 
-    def image_keys(self) -> set[str]:
+    def objects(self, prefix: str) -> dict[str, int]:
+        """Key -> size of the stored objects under `prefix`."""
         s3 = boto3.client("s3", endpoint_url=self.settings.s3_endpoint_url, region_name="us-east-1",
                           aws_access_key_id="testing", aws_secret_access_key="testing")
-        keys: set[str] = set()
-        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=self.settings.s3_bucket, Prefix="images/"):
-            keys |= {o["Key"] for o in page.get("Contents", [])}
-        return keys
+        sizes: dict[str, int] = {}
+        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=self.settings.s3_bucket, Prefix=prefix):
+            sizes |= {o["Key"]: o["Size"] for o in page.get("Contents", [])}
+        return sizes
 
 
 @pytest.fixture(scope="module")
@@ -252,11 +253,13 @@ def test_two_tenants_share_the_worker_and_batches_show_an_eta(stack: Stack) -> N
 
 def test_each_distinct_image_is_stored_once(stack: Stack) -> None:
     images = [png_bytes((17, 200 + i, 3), (11 + i, 13)) for i in range(3)]
-    before = stack.image_keys()
+    images_before, packs_before = stack.objects("images/"), stack.objects("packs/")
     lines = [request_line(f"dedup-{i}", text_body(f"look {i}", image=images[i % 3])) for i in range(24)]
     done = stack.wait(stack.run(lines).id)
     assert done.status == "completed" and done.request_counts.completed == 24
-    assert len(stack.image_keys() - before) == 3
+    # Stored once each, side by side in the ingestion's packs, not as objects of their own.
+    new_packs = {k: v for k, v in stack.objects("packs/").items() if k not in packs_before}
+    assert stack.objects("images/") == images_before and sum(new_packs.values()) == sum(map(len, images))
 
 
 def test_cancel_keeps_finished_results_and_single_jobs_outrank_batches(stack: Stack) -> None:

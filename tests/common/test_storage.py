@@ -40,6 +40,16 @@ def test_put_get_exists_delete(store: ObjectStore) -> None:
         store.get("images/abc")
 
 
+def test_get_range_reads_part_of_an_object(store: ObjectStore) -> None:
+    store.put("packs/p1", b"0123456789")
+    assert store.get_range("packs/p1", 0, 3) == b"012"
+    assert store.get_range("packs/p1", 4, 4) == b"4567"
+    assert store.get_range("packs/p1", 8, 10) == b"89"  # cut short where the object ends
+    assert store.get_range("packs/p1", 3, 0) == b""
+    with pytest.raises(ObjectNotFound):
+        store.get_range("packs/none", 0, 3)
+
+
 @pytest.mark.parametrize("key", ["../escape", "/abs", "a//b", "a/./b", "", "a\\b"])
 def test_keys_that_leave_the_root_are_refused(store: ObjectStore, key: str) -> None:
     with pytest.raises(ValueError, match="invalid object key"):

@@ -3,6 +3,7 @@ thread and finished as each ends; on SQLite and a local folder, with a model tha
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from collections.abc import Iterator
@@ -14,10 +15,12 @@ from sqlalchemy import update
 
 from common.domain import jobs
 from common.domain.models import Job, JobStatus
+from common.images.pack import ImagePack
 from common.infra.db import Database, get_database
 from common.infra.migrate import upgrade
 from common.infra.settings import Settings
 from common.infra.storage import ObjectStore, make_store, result_key
+from tests.api.test_jobs_api import png_bytes
 from worker.inference.generation import GenerationRequest, GenerationResult, InputError
 from worker.jobs.chunk_runner import ChunkRunner
 from worker.jobs.group import JobGroupRunner
@@ -40,11 +43,13 @@ class _HeldModel:
     def __init__(self, hold: bool) -> None:
         self.hold = hold
         self.prepare_threads: set[str] = set()
+        self.image_sizes: list[tuple[int, int]] = []
         self._futures: dict[str, tuple[str, Future[GenerationResult]]] = {}
         self._lock = threading.Lock()
 
     def prepare(self, req: GenerationRequest) -> GenerationRequest:
         self.prepare_threads.add(threading.current_thread().name)
+        self.image_sizes += [image.size for image in req.images]
         if req.messages[0]["content"][0]["text"] == "bad input":
             raise InputError("the prompt is refused")
         return req
@@ -209,3 +214,60 @@ def test_a_chunk_whose_claim_cannot_reach_sql_hands_every_row_back(
         _close(runner)
     assert all(isinstance(o, ConnectionError) for o in outcomes)
     assert {s for s, *_ in _statuses(db, rows).values()} == {JobStatus.QUEUED}
+
+
+def _image_request(text: str, image: dict[str, object]) -> dict[str, object]:
+    request = _request(text)
+    request["messages"][0]["content"].append(image)  # type: ignore[index]
+    return request
+
+
+def test_a_chunks_packed_images_are_read_with_one_request(local: tuple[Settings, Database, ObjectStore],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    _, db, store = local
+    pictures = [png_bytes((40 * i, 10, 10), (8 + i, 6)) for i in range(3)]
+    pack = ImagePack(store, 1 << 20)
+    parts = [{"type": "image", "image_id": hashlib.sha256(p).hexdigest(), **pack.add(p).as_part_fields()}
+             for p in pictures]
+    pack.flush()
+    ranges: list[tuple[str, int, int]] = []
+    read_range = store.get_range
+    monkeypatch.setattr(store, "get_range", lambda key, start, size: ranges.append((key, start, size))  # type: ignore[func-returns-value]
+                        or read_range(key, start, size))
+    model = _HeldModel(hold=False)
+    runner = _runner(local, model)
+    with db.session() as session:
+        rows = [jobs.create_job(session, model=MODEL, request=_image_request(f"look {i}", part), tenant="acme",
+                                batch_id="batch_x").id for i, part in enumerate(parts)]
+    try:
+        outcomes = runner.run(rows)
+    finally:
+        _close(runner)
+    assert [o.status for o in outcomes if isinstance(o, Outcome)] == [JobStatus.SUCCEEDED] * 3
+    assert ranges == [(parts[0]["pack"], 0, sum(len(p) for p in pictures))]  # one request for the chunk
+    assert [s[1] for s in _statuses(db, rows).values()] == ["0 kool", "1 kool", "2 kool"]
+    assert sorted(model.image_sizes) == [(8, 6), (9, 6), (10, 6)]  # each row decoded its own picture
+
+
+def test_a_row_whose_image_is_not_where_it_says_fails_alone(local: tuple[Settings, Database, ObjectStore]) -> None:
+    _, db, store = local
+    good, other = png_bytes((1, 2, 3), (5, 5)), png_bytes((3, 2, 1), (6, 6))
+    pack = ImagePack(store, 1 << 20)
+    good_at, other_at = pack.add(good), pack.add(other)
+    pack.flush()
+    wrong = {"type": "image", "image_id": hashlib.sha256(good).hexdigest(), **other_at.as_part_fields()}
+    right = {"type": "image", "image_id": hashlib.sha256(good).hexdigest(), **good_at.as_part_fields()}
+    model = _HeldModel(hold=False)
+    runner = _runner(local, model)
+    with db.session() as session:
+        rows = [jobs.create_job(session, model=MODEL, request=_image_request(text, part), tenant="acme",
+                                batch_id="batch_x").id for text, part in (("fine", right), ("misplaced", wrong))]
+    try:
+        runner.run(rows)
+    finally:
+        _close(runner)
+    with db.session() as session:
+        fine, misplaced = (session.get(Job, job_id) for job_id in rows)
+        assert fine is not None and fine.status == JobStatus.SUCCEEDED and fine.result_text == "enif"
+        assert misplaced is not None and misplaced.status == JobStatus.FAILED
+        assert misplaced.error_code == "image_missing"

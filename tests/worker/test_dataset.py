@@ -28,6 +28,7 @@ from tests.worker.test_ingest import MODEL, Recorder, batch_jobs, get_batch, lin
 from worker.batches.archive import normalize_path
 from worker.batches.dataset import iter_csv_lines
 from worker.batches.ingest import IngestDeps, ingest_batch
+from worker.jobs.image_reader import ImageReader, image_refs
 
 RED, GREEN = png_bytes((200, 0, 0), (8, 6)), png_bytes((0, 200, 0), (6, 8))
 
@@ -125,10 +126,13 @@ def test_zip_with_a_top_folder_and_jsonl_paths(settings: Settings, db: Database,
     assert errors == {"c": "image_not_found", "d": "invalid_image", "e": "invalid_image"}
     batch = get_batch(db, batch_id)
     assert batch.images_root == "ds" and batch.images_indexed_at is not None
-    assert store.exists(f"images/{sha(GREEN)}")
     with db.session() as session:  # the archive's images are the batch tenant's, and no one else's
         assert owned_image(session, "default", sha(GREEN)) is not None
         assert owned_image(session, "someone-else", sha(GREEN)) is None
+    # Each job's images read back from where its request says they lie (a pack, unless an earlier test stored
+    # them first); the reader checks the bytes against the id.
+    reader = ImageReader(store)
+    assert all(reader.read(ref) for job in batch_jobs(db, batch_id) for ref in image_refs(job.request))
 
 
 def test_tar_gz_with_a_csv_manifest(settings: Settings, db: Database, store: ObjectStore) -> None:

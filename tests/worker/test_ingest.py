@@ -6,9 +6,11 @@ job ids a chunk sent, so a test can fail it to play a crash between commit and d
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -22,6 +24,7 @@ from common.domain.batch_input import iter_lines
 from common.domain.files import add_file, file_key, open_reader
 from common.domain.models import Batch, BatchLineError, FileRecord, Job, new_file_id
 from common.domain.views import chat_completion
+from common.images.pack import PACK_PREFIX
 from common.images.stored import owned_image, store_image
 from common.infra.db import Database, get_database
 from common.infra.migrate import upgrade
@@ -31,6 +34,7 @@ from tests.api.test_jobs_api import data_url, png_bytes
 from tests.conftest import held_redis_db, settings_from_env
 from worker.batches.finalize import cancel_batch_jobs, due_batches, expire_batch, expire_due, finalize_batch
 from worker.batches.ingest import IngestDeps, ingest_batch
+from worker.jobs.image_reader import ImageReader, image_refs
 
 MODEL = "tiny-ingest"
 
@@ -136,12 +140,35 @@ def test_ingest_checks_every_line_in_chunks(settings: Settings, db: Database, st
     assert sorted(j.custom_id or "" for j in created) == ["a", "b", "c", "d", "h"]
     assert all(j.status == "queued" and j.priority == settings.batch_priority and j.model == MODEL for j in created)
     assert sorted(sent.sent) == sorted(j.id for j in created) and sent.calls == 3  # chunks with jobs
-    image_ids = {p["image_id"] for j in created for m in j.request["messages"] for p in m["content"]
-                 if p["type"] == "image"}
-    assert len(image_ids) == 2 and all(store.exists(f"images/{i}") for i in image_ids)
+    parts = [p for j in created for m in j.request["messages"] for p in m["content"] if p["type"] == "image"]
+    assert {p["image_id"] for p in parts} == {hashlib.sha256(red).hexdigest(), hashlib.sha256(blue).hexdigest()}
+    reader = ImageReader(store)  # each job's images read back from where its request says (checked by hash)
+    assert {reader.read(ref) for job in created for ref in image_refs(job.request)} == {red, blue}
     # A duplicate delivery of the task changes nothing.
     assert ingest_batch(batch_id, IngestDeps(settings, db, store, Recorder())) == "in_progress"
     assert len(batch_jobs(db, batch_id)) == 5
+
+
+def test_each_chunks_new_images_are_written_as_one_pack(settings: Settings, db: Database, store: ObjectStore,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    seed = uuid.uuid4().bytes  # images no other test stored: image rows are shared by the whole run
+    pictures = [png_bytes((seed[0], seed[1], i), (5 + i, 4)) for i in range(7)]
+    lines = [line(f"p{i}", image=picture) for i, picture in enumerate(pictures)]
+    lines.insert(4, line("again", image=pictures[0]))  # met in an earlier chunk: named where it lies already
+    batch_id = make_batch(db, store, ("\n".join(lines) + "\n").encode())
+    puts: list[str] = []
+    put = store.put
+    monkeypatch.setattr(store, "put", lambda key, data, content_type="": puts.append(key) or put(key, data))  # type: ignore[func-returns-value]
+    assert ingest_batch(batch_id, IngestDeps(settings, db, store, Recorder())) == "in_progress"
+    assert len(puts) == 3 and all(key.startswith(PACK_PREFIX) for key in puts)  # chunks of 3 lines, 3 and 2 new
+    created = {job.custom_id: job for job in batch_jobs(db, batch_id)}
+    reader = ImageReader(store)
+    # Lines p0-p2 are the first chunk, p3, again, p4 the second, p5-p6 the third.
+    for i, (picture, chunk) in enumerate(zip(pictures, [0, 0, 0, 1, 1, 2, 2], strict=True)):
+        [ref] = image_refs(created[f"p{i}"].request)
+        assert ref.pack is not None and ref.pack.key == puts[chunk]
+        assert reader.read(ref) == picture
+    assert image_refs(created["again"].request) == image_refs(created["p0"].request)
 
 
 def test_ingest_resumes_after_a_crash_without_duplicates(settings: Settings, db: Database,

@@ -27,6 +27,7 @@ from worker.engine.model_runner import PreparedInput, prepare_input
 from worker.inference.batcher import BatchingGenerator
 from worker.inference.generation import InputError
 from worker.inference.model_loader import load_model
+from worker.jobs.image_reader import ImageReader
 from worker.jobs.prepare_pool import PreparePool
 from worker.jobs.request import fetch_images, generation_request
 
@@ -66,7 +67,7 @@ def _in_thread(settings: Settings, job_id: str, request: dict[str, Any], priorit
     front = load_model(settings.model, weights=False)
     store = LocalObjectStore(settings.storage_dir)  # type: ignore[arg-type]
     return prepare_input(front, get_family(front.model), generation_request(
-        job_id, request, priority, settings, fetch_images(request, settings, store.get), "acme"))
+        job_id, request, priority, settings, fetch_images(request, settings, ImageReader(store).read), "acme"))
 
 
 def test_the_pool_prepares_exactly_what_the_jobs_thread_does(pool: PreparePool, settings: Settings,

@@ -27,6 +27,7 @@ from common.domain.files import ChunkStream
 from common.domain.models import Batch, BatchImage, BatchStatus, FileRecord, utcnow
 from common.domain.schemas import ChatCompletionRequest, ImagePart
 from common.domain.submission import SubmissionError
+from common.images.pack import ImagePack
 from common.images.stored import IMAGE_ID_RE, image_public_id, store_image
 from common.infra.db import Database
 from common.infra.settings import Settings
@@ -71,6 +72,7 @@ def index_archive(batch_id: str, images_file_id: str, db: Database, store: Objec
     roots: set[str] = set()
     flat = False
     members = archive.members(store, record, archive.ArchiveLimits.of(settings))
+    pack = ImagePack(store, settings.image_pack_bytes) if settings.image_pack_bytes else None
     try:
         while part := _take(members, MEMBERS_PER_CHUNK, CHUNK_BYTES):
             with db.session() as session:
@@ -85,12 +87,14 @@ def index_archive(batch_id: str, images_file_id: str, db: Database, store: Objec
                         error = data
                     else:
                         try:
-                            image_id = store_image(session, store, data, settings, tenant).id
+                            image_id = store_image(session, store, data, settings, tenant, pack).id
                         except SubmissionError as exc:
                             error = str(exc)
                     rows.append({"batch_id": batch_id, "path_hash": _path_hash(path), "path": path,
                                  "image_id": image_id, "error": error})
                 insert_ignoring_conflicts(session, BatchImage, rows, ["batch_id", "path_hash"])
+                if pack is not None:
+                    pack.flush()  # before the commit that names its images, whichever way this part ends
                 if session.scalar(select(Batch.status).where(Batch.id == batch_id)) != BatchStatus.VALIDATING:
                     return None  # cancelled meanwhile
     except archive.ArchiveError as exc:

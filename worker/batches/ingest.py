@@ -33,6 +33,7 @@ from common.domain.files import open_reader
 from common.domain.models import Batch, BatchLineError, BatchStatus, FileRecord, Job, JobStatus, new_id, utcnow
 from common.domain.submission import SubmissionError, normalize_request, resolve_model
 from common.images.cache import ImageCache
+from common.images.pack import ImagePack
 from common.images.refs import ResolvedImage
 from common.infra.db import Database
 from common.infra.settings import Settings
@@ -85,6 +86,8 @@ class _Run:
     # Where the batch's model's files are, when this process serves that model (prompts are measured
     # against its context); None: another model's batch, only the plain caps apply.
     model_files: str | None = None
+    # Where each chunk's new images go, written as one object before the chunk commits; None: an object each.
+    pack: ImagePack | None = None
 
 
 def ingest_batch(batch_id: str, deps: IngestDeps) -> str:
@@ -105,7 +108,9 @@ def ingest_batch(batch_id: str, deps: IngestDeps) -> str:
         # Jobs go to the queue of the model the batch was created for, not whatever this process serves.
         run = _Run(batch_id, batch.tenant, deps.settings.model_copy(update={"served_model_name": batch.model}),
                    _refused_ids(session, batch_id) if resume_after else set(), images_file_id is not None,
-                   model_files=deps.settings.model if batch.model == deps.settings.served_model_name else None)
+                   model_files=deps.settings.model if batch.model == deps.settings.served_model_name else None,
+                   pack=ImagePack(deps.store, deps.settings.image_pack_bytes) if deps.settings.image_pack_bytes
+                   else None)
     if key is None:
         return _fail(deps, batch_id, "file_not_found", f"input file {input_file_id!r} no longer exists")
     if images_file_id is not None and not images_indexed:
@@ -196,6 +201,8 @@ def _ingest_chunk(
     if not batches.advance_ingestion(session, run.batch_id, from_line=done_line, last_line=last, requests=taken,
                                      refused=len(errors)):
         raise _Stopped()
+    if run.pack is not None:
+        run.pack.flush()  # before the commit that names its images
     return _ChunkResult([r["id"] for r in rows if r["id"] in inserted], last, taken < size)
 
 
@@ -215,7 +222,7 @@ def _accept(
         return missing
     try:
         resolve_model(None if deps.any_model else req.model, run.model_settings)
-        return custom_id, normalize_request(req, session, deps.store, deps.settings, run.images,
+        return custom_id, normalize_request(req, session, deps.store, deps.settings, run.images, pack=run.pack,
                                               tenant=run.tenant, model_files=run.model_files)
     except SubmissionError as exc:
         return LineError(number, custom_id, exc.code, f"line {number}: {exc}", exc.param)

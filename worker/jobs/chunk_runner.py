@@ -8,10 +8,11 @@ tokenised and submitted in turn on the message's thread; and as the engine ends 
 the state writer, whose group commit records the chunk's finished rows in bulk UPDATEs as they finish, not at
 the chunk's end. No thread waits on a row.
 
-Rows that need more go to the job pool (worker/jobs/group.py) and run exactly as a message of their own would:
-rows with images (fetched from storage, decoded, perhaps prepared in other processes), single REST jobs (a
-result object to write first), and rows the chunk's claim did not take (a duplicate delivery, or a last try,
-which runs alone behind the solo gate). Crash safety is the pipeline's: a row's finish is conditional on its
+Rows that need more go to the job pool (worker/jobs/group.py) and run as a message of their own would: rows with
+images (decoded, perhaps prepared in other processes; their packed images are read for the whole chunk first,
+with one request per pack: worker/jobs/image_reader.py), single REST jobs (a result object to write first), and
+rows the chunk's claim did not take (a duplicate delivery, or a last try, which runs alone behind the solo
+gate). Crash safety is the pipeline's: a row's finish is conditional on its
 lease, so a worker killed mid-chunk loses only its unfinished rows' work, which runs again after the reaper or
 redelivery.
 """
@@ -30,6 +31,7 @@ from common.domain.claimed_job import ClaimedJob
 from common.infra.logs import log_fields
 from worker.inference.generation import GenerationResult, InputError
 from worker.jobs.group import JobGroupRunner, OnJobDone
+from worker.jobs.image_reader import ImageRef, image_refs
 from worker.jobs.pipeline import Ending, JobPipeline, Outcome
 from worker.jobs.request import NO_IMAGES, generation_request, has_images
 from worker.jobs.retry import infra_retry
@@ -82,6 +84,7 @@ class ChunkRunner:
         unique = list(dict.fromkeys(job_ids))
         chunk = _Chunk(on_job_done)
         elsewhere: dict[str, Future[Outcome]] = {}
+        to_pool: list[ClaimedJob] = []
         with pipeline.gate.shared():
             with pipeline.clock.stage("claim", calls=len(unique)):
                 claims = self._claim(unique)
@@ -97,10 +100,14 @@ class ChunkRunner:
                 else:
                     pipeline.leases.add(job_id)
                     if claim.batch_id is None or has_images(claim.request):
-                        elsewhere[job_id] = self.pool.submit(pipeline.run_held, claim, on_job_done)
+                        to_pool.append(claim)
                     else:
                         chunk.open()
                         self._start(claim, chunk)
+            fetched = self._read_packed_images(to_pool)
+            for claim in to_pool:
+                mine = {ref: fetched[ref] for ref in image_refs(claim.request) if ref in fetched}
+                elsewhere[claim.id] = self.pool.submit(partial(pipeline.run_held, fetched=mine), claim, on_job_done)
             chunk.wait()
             for future in list(elsewhere.values()):
                 future.exception()  # the gate is held until every row this chunk claimed has ended
@@ -133,6 +140,20 @@ class ChunkRunner:
             return self._claim_all(job_ids)
         except Exception as exc:
             return dict.fromkeys(job_ids, exc)
+
+    def _read_packed_images(self, claims: list[ClaimedJob]) -> dict[ImageRef, bytes]:
+        """The packed images of the chunk's image rows, read together: rows ingested together have theirs side
+        by side in one pack. What cannot be read here each row reads, and reports, for itself."""
+        refs = [ref for claim in claims for ref in image_refs(claim.request) if ref.pack is not None]
+        if not refs:
+            return {}
+        try:
+            with self.pipeline.clock.stage("inputs", calls=0):  # each row's own inputs stage counts the call
+                return self.pipeline.read_images(refs)
+        except Exception as exc:
+            log.warning("could not read the images of %d rows together (%s: %s); each reads its own",
+                        len(claims), type(exc).__name__, exc)
+            return {}
 
     def _start(self, job: ClaimedJob, chunk: _Chunk) -> None:
         """Prepare and submit one claimed text-only batch row; its end comes through callbacks."""

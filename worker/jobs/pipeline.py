@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import json
 import logging
+from collections.abc import Iterable, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -29,6 +30,7 @@ from common.infra.storage import ObjectNotFound, ObjectStore, result_key
 from worker.inference.batcher import Generator
 from worker.inference.generation import InputError
 from worker.inference.pixel_budget import PixelBudget
+from worker.jobs.image_reader import ImageReader, ImageRef
 from worker.jobs.leases import LeaseKeeper
 from worker.jobs.request import fetch_images, generation_request, has_images
 from worker.jobs.retry import infra_retry
@@ -78,6 +80,7 @@ class JobPipeline:
         self.prepare_pool = prepare_pool
         self.db = db
         self.store = store
+        self.images = ImageReader(store)
         self.generator = generator
         self.leases = leases
         self.worker_id = worker_id
@@ -111,10 +114,11 @@ class JobPipeline:
         self.leases.add(job.id)
         return self.run_held(job)
 
-    def run_held(self, job: ClaimedJob) -> Outcome:
-        """Run a job this worker has claimed and whose lease it keeps (leases.add), then let the lease go."""
+    def run_held(self, job: ClaimedJob, fetched: Mapping[ImageRef, bytes] | None = None) -> Outcome:
+        """Run a job this worker has claimed and whose lease it keeps (leases.add), then let the lease go.
+        `fetched`: some of its images, already read (ImageReader.read_many); the rest are read here."""
         try:
-            outcome = self._run_claimed(job)
+            outcome = self._run_claimed(job, fetched or {})
         finally:
             self.leases.discard(job.id)
         return replace(outcome, tenant=job.tenant, model=job.model, batch_id=job.batch_id)
@@ -134,15 +138,16 @@ class JobPipeline:
             job = jobs.claim(session, job_id, self.worker_id, self.settings.lease_seconds)
             return None if job is None else ClaimedJob.of(job)
 
-    def _run_claimed(self, job: ClaimedJob) -> Outcome:
+    def _run_claimed(self, job: ClaimedJob, fetched: Mapping[ImageRef, bytes]) -> Outcome:
         try:
             if self.prepare_pool is not None and has_images(job.request):
                 with self.clock.stage("prepare"):
-                    prepared = self.prepare_pool.prepare(job.id, job.request, job.priority, job.tenant)
+                    prepared = self.prepare_pool.prepare(job.id, job.request, job.priority, job.tenant, fetched)
             else:
                 with ExitStack() as decoded:
                     with self.clock.stage("inputs"):
-                        images = fetch_images(job.request, self.settings, self._get)
+                        images = fetch_images(job.request, self.settings,
+                                              lambda ref: fetched.get(ref) or self.read_image(ref))
                         decoded.enter_context(self.pixels.hold(images.pixels))  # until the inputs are prepared
                         request = generation_request(job.id, job.request, job.priority, self.settings, images,
                                                      job.tenant)
@@ -210,8 +215,13 @@ class JobPipeline:
             log.warning("job %s: could not drop its discarded result %s", job_id, key, exc_info=True)
 
     @infra_retry
-    def _get(self, key: str) -> bytes:
-        return self.store.get(key)
+    def read_image(self, ref: ImageRef) -> bytes:
+        return self.images.read(ref)
+
+    @infra_retry
+    def read_images(self, refs: Iterable[ImageRef]) -> dict[ImageRef, bytes]:
+        """The packed images among `refs`, with one request per stretch of a pack (ImageReader.read_many)."""
+        return self.images.read_many(refs)
 
     def _persist(self, key: str, body: dict[str, Any]) -> None:
         self.store.put(key, json.dumps(body).encode(), content_type="application/json")

@@ -19,14 +19,16 @@ import logging
 import multiprocessing
 import os
 import threading
+from collections.abc import Mapping
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from multiprocessing.connection import wait
 from typing import Any
 
 from common.infra.settings import Settings
-from common.infra.storage import ObjectStore, make_store
+from common.infra.storage import make_store
 from worker.engine.model_runner import PreparedInput, prepare_input, without_decoded_images
+from worker.jobs.image_reader import ImageReader, ImageRef
 from worker.jobs.request import fetch_images, generation_request
 from worker.jobs.retry import infra_retry
 
@@ -36,13 +38,13 @@ START_TIMEOUT_SECONDS = 300.0  # a process imports torch and transformers and lo
 
 # What one pool process holds (set by _start, in that process).
 _settings: Settings | None = None
-_store: ObjectStore | None = None
+_images: ImageReader | None = None
 _front: Any = None
 _family: Any = None
 
 
 def _start(settings: Settings) -> None:
-    global _settings, _store, _front, _family
+    global _settings, _images, _front, _family
     import torch
 
     from worker.engine.families import get_family
@@ -54,7 +56,7 @@ def _start(settings: Settings) -> None:
     # One thread each: the pool's processes are the parallelism, and the engine owns the CPUs' thread pools.
     torch.set_num_threads(1)
     _settings = settings
-    _store = make_store(settings)
+    _images = ImageReader(make_store(settings))
     _front = load_model(settings.model, dtype=getattr(torch, settings.dtype), weights=False,
                         torch_resize=settings.image_resize == "torch")
     _family = get_family(_front.model)
@@ -72,14 +74,16 @@ def _ready() -> bool:
 
 
 @infra_retry  # as the job thread's own fetch
-def _fetch(key: str) -> bytes:
-    assert _store is not None
-    return _store.get(key)
+def _read(ref: ImageRef) -> bytes:
+    assert _images is not None
+    return _images.read(ref)
 
 
-def _prepare(job_id: str, request: dict[str, Any], priority: int, tenant: str) -> PreparedInput:
+def _prepare(job_id: str, request: dict[str, Any], priority: int, tenant: str,
+             fetched: Mapping[ImageRef, bytes]) -> PreparedInput:
     assert _settings is not None
-    req = generation_request(job_id, request, priority, _settings, fetch_images(request, _settings, _fetch), tenant)
+    images = fetch_images(request, _settings, lambda ref: fetched.get(ref) or _read(ref))
+    req = generation_request(job_id, request, priority, _settings, images, tenant)
     return without_decoded_images(prepare_input(_front, _family, req))
 
 
@@ -101,12 +105,14 @@ class PreparePool:
             ready.result(START_TIMEOUT_SECONDS)
         return executor
 
-    def prepare(self, job_id: str, request: dict[str, Any], priority: int, tenant: str) -> PreparedInput:
-        """Raises what the job thread would (InputError, ImageError, ObjectNotFound, ...), or BrokenProcessPool
+    def prepare(self, job_id: str, request: dict[str, Any], priority: int, tenant: str,
+                fetched: Mapping[ImageRef, bytes] | None = None) -> PreparedInput:
+        """`fetched`: images already read (ImageReader.read_many), sent along; the rest are read in there.
+        Raises what the job thread would (InputError, ImageError, ObjectNotFound, ...), or BrokenProcessPool
         if a process died while the pool held the job."""
         executor = self._executor
         try:
-            return executor.submit(_prepare, job_id, request, priority, tenant).result()
+            return executor.submit(_prepare, job_id, request, priority, tenant, fetched or {}).result()
         except BrokenProcessPool:
             self._replace(executor)
             raise

@@ -12,8 +12,8 @@ from typing import Any
 
 from common.images.decode import decode_image, image_pixels
 from common.infra.settings import Settings
-from common.infra.storage import image_key
 from worker.inference.generation import GenerationRequest, InputError, SamplingParams
+from worker.jobs.image_reader import ImageRef, image_refs
 
 
 @dataclass(frozen=True)
@@ -31,11 +31,10 @@ def has_images(request: dict[str, Any]) -> bool:
     return any(part["type"] == "image" for message in request["messages"] for part in message["content"])
 
 
-def fetch_images(request: dict[str, Any], settings: Settings, fetch: Callable[[str], bytes]) -> JobImages:
-    """The job's images, fetched (`fetch`: an object's bytes by key) and sized from their headers; raises
-    InputError when together they exceed `settings.max_job_pixels`, before any is decoded."""
-    data = [fetch(image_key(part["image_id"])) for message in request["messages"] for part in message["content"]
-            if part["type"] == "image"]
+def fetch_images(request: dict[str, Any], settings: Settings, fetch: Callable[[ImageRef], bytes]) -> JobImages:
+    """The job's images, fetched (`fetch`: an image's bytes, worker/jobs/image_reader.py) and sized from their
+    headers; raises InputError when together they exceed `settings.max_job_pixels`, before any is decoded."""
+    data = [fetch(ref) for ref in image_refs(request)]
     formats = tuple(settings.allowed_image_formats)
     pixels = sum(image_pixels(d, max_pixels=settings.max_image_pixels, allowed_formats=formats) for d in data)
     if pixels > settings.max_job_pixels:
