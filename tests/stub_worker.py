@@ -1,6 +1,6 @@
 """`python -m tests.stub_worker BROKER_URL PIPELINE CONCURRENCY`: vlmq's own run_job task in a real Celery worker
 (threads pool), around a stand-in for the job pipeline, so that message delivery can be tested and measured
-without a model, SQL or S3 (tests/worker/test_job_messages.py, bench/celery_messages.py).
+without a model, SQL or S3 (tests/worker/jobs/test_job_messages.py, bench/celery_messages.py).
 
 Pipelines, by name; both talk to the broker's Redis, which the parent reads:
 - `instant`: each job returns at once and counts itself in `done`.

@@ -21,7 +21,7 @@ import torch
 from PIL import Image
 
 from tests.api.test_jobs_api import data_url
-from tests.common.test_image_structure import png_with_checked_but_broken_pixels
+from tests.common.images.test_structure import png_with_checked_but_broken_pixels
 from tests.conftest import ApiServer, settings_from_env
 from tests.fault_stack import free_port
 from tests.hf_reference import hf_messages, hf_reference_answer

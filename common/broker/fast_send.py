@@ -4,7 +4,7 @@ Celery's send_task builds each message through signals and routers, then kombu m
 publish: the largest single cost of POST /v1/jobs after the SQL insert (bench/ingest.py). This writes the same JSON
 envelope (task protocol 2, kombu's Redis transport: base64 body, the priority step's list `<queue>\\x06\\x16<step>`)
 with one pooled redis-py client, many messages in one LPUSH, at a small part of the cost. Consumers cannot tell the
-difference (tests/common/test_fast_send.py checks a real Celery worker runs them and compares envelopes field by
+difference (tests/common/broker/test_fast_send.py checks a real Celery worker runs them and compares envelopes field by
 field); common/broker/messages.py already reads this format for the republisher.
 
 Only for plain Redis brokers (redis://, rediss://) without a key prefix; anything else goes through Celery.

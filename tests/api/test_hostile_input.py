@@ -23,7 +23,7 @@ from PIL import Image
 
 from common.infra.settings import Settings
 from tests.api.test_jobs_api import chat_body, data_url, png_bytes
-from tests.common.test_image_fetch import Server, redirect, send
+from tests.common.images.test_fetch import Server, redirect, send
 from tests.conftest import ApiServer, settings_from_env
 
 MODEL = "tiny-test-model"

@@ -5,7 +5,7 @@ An HF processor given a PIL image turns it into an array with `np.array(image)`,
 buffers, joins them, and numpy copies the result, on the order of what resizing the photo costs now
 (worker/inference/image_resize.py). Pillow's raw encoder asked for the whole image at once packs it in one call: the
 same bytes, with one copy fewer and no joins. Given the array, the processor skips
-its own conversion and computes the same pixel values (tests/worker/test_image_array.py; the token-identity
+its own conversion and computes the same pixel values (tests/worker/inference/test_image_array.py; the token-identity
 tests with HF, which hand HF the PIL images, run through this too).
 
 One exception: HF guesses an array's channel axis from its shape, and an image 1 or 3 pixels tall is an

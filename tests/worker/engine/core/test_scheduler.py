@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.worker.engine.test_block_manager import IMAGE_TOKEN, make_request
+from tests.worker.engine.core.test_block_manager import IMAGE_TOKEN, make_request
 from worker.engine.core.block_manager import BlockManager
 from worker.engine.core.config import EngineConfig
 from worker.engine.core.encoder_cache import EncoderCache
@@ -384,4 +384,4 @@ def test_engine_bookkeeping_does_not_import_torch() -> None:
     code = ("import sys\nimport worker.engine.core.scheduler, worker.engine.core.block_manager\n"
             "import worker.engine.core.encoder_cache\n"
             "assert 'torch' not in sys.modules, 'torch was imported'\n")
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[3])
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[4])

@@ -264,7 +264,7 @@ def test_a_file_nothing_of_which_can_run_is_refused_before_the_model_loads(tmp_p
     with exit 2 instead); it took the model's load (16-34 s) before."""
     import time
 
-    no_torch = Path(__file__).resolve().parents[1] / "no_torch"
+    no_torch = Path(__file__).resolve().parents[2] / "no_torch"
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLMQ_")}
     env.update({"VLMQ_DATA_DIR": str(tmp_path / "state"),
                 "PYTHONPATH": os.pathsep.join([str(no_torch), env.get("PYTHONPATH", "")])})

@@ -16,7 +16,16 @@ from common.infra.settings import Settings
 from common.infra.storage import ObjectStore, make_store
 from tests.api.test_jobs_api import data_url, png_bytes
 from tests.conftest import settings_from_env
-from tests.worker.test_ingest import MODEL, Recorder, _finish, _read_jsonl, batch_jobs, get_batch, line, make_batch
+from tests.worker.batches.test_ingest import (
+    MODEL,
+    Recorder,
+    _finish,
+    _read_jsonl,
+    batch_jobs,
+    get_batch,
+    line,
+    make_batch,
+)
 from worker.batches.finalize import finalize_batch
 from worker.batches.ingest import IngestDeps, ingest_batch
 

@@ -164,7 +164,7 @@ def test_the_pools_processes_follow_a_worker_killed_outright(settings: Settings)
         "time.sleep(300)\n"
     )
     worker = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
-                              cwd=Path(__file__).resolve().parents[2])
+                              cwd=Path(__file__).resolve().parents[3])
     try:
         assert worker.stdout is not None
         children = [int(pid) for pid in worker.stdout.readline().split()]

@@ -8,7 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.worker.test_image_resize import PROCESSORS, photo
+from tests.worker.inference.test_image_resize import PROCESSORS, photo
 from worker.inference.image_array import for_processor, to_array
 from worker.inference.image_resize import use_torch_resize
 

@@ -24,7 +24,7 @@ from common.infra.settings import Settings
 from common.infra.storage import ObjectStore, make_store
 from tests.api.test_jobs_api import png_bytes
 from tests.conftest import settings_from_env
-from tests.worker.test_ingest import MODEL, Recorder, batch_jobs, get_batch, line_errors
+from tests.worker.batches.test_ingest import MODEL, Recorder, batch_jobs, get_batch, line_errors
 from worker.batches.archive import normalize_path
 from worker.batches.dataset import iter_csv_lines
 from worker.batches.ingest import IngestDeps, ingest_batch

@@ -13,7 +13,7 @@ from PIL import Image
 
 from common.images.decode import ImageError, decode_image, inspect_image
 from common.images.structure import MAX_JPEG_MARKERS, StructureError, check_structure
-from tests.common.test_images import _chunk, encode, no_pixel_decoding, noise_image  # noqa: F401 (fixture)
+from tests.common.images.test_decode import _chunk, encode, no_pixel_decoding, noise_image  # noqa: F401 (fixture)
 
 MAX_PIXELS = 50_000_000
 

@@ -14,7 +14,7 @@ from common.domain.claimed_job import ClaimedJob
 from common.domain.models import JobStatus
 from common.infra.db import Database
 from tests.common.conftest import db  # noqa: F401  (the fixture: a migrated database of each kind)
-from tests.common.test_jobs import _get, _new_job
+from tests.common.domain.test_jobs import _get, _new_job
 from worker.jobs.state_writer import StateWriter
 
 

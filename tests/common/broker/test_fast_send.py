@@ -127,7 +127,7 @@ def test_a_celery_worker_runs_direct_messages_by_priority(redis_url: str) -> Non
     send_run_jobs(app, settings, ["high-1", "high-2"], 8)
     send_run_jobs(app, settings, ["top"], 9)
     # A worker process of its own: a real consumer, untouched by Celery state other tests left in this one.
-    worker = subprocess.Popen([sys.executable, "-c", _WORKER, redis_url], cwd=Path(__file__).parents[2])
+    worker = subprocess.Popen([sys.executable, "-c", _WORKER, redis_url], cwd=Path(__file__).parents[3])
     try:
         deadline = time.monotonic() + 60
         while client.llen("ran") < 5 and time.monotonic() < deadline and worker.poll() is None:
