@@ -79,8 +79,8 @@ class Settings(BaseSettings):
                                  "one-pass RMSNorm, SiLU-and-multiply and rotary embedding.")
     engine_compile: bool = Field(
         default=False, description="Compile the language model's decoder layers with torch.compile (inductor): "
-        "fused element-wise ops, 8-14% more throughput on CPU (small model), for 6-23 s of compiling at the first "
-        "steps.")
+        "fused element-wise ops, for more throughput on CPU, at the cost of compiling during the first steps "
+        "(docs/benchmarks.md).")
     engine_process: bool = Field(
         default=True, description="Run the paged engine in a child process, so that its Python does not share a "
         "GIL with the worker's per-job work (delivery, SQL, S3, prompt encoding).")
@@ -96,14 +96,14 @@ class Settings(BaseSettings):
 
     image_resize: Literal["torch", "pillow"] = Field(
         default="torch", description="How the model's image processor resizes images: \"torch\", with torch's "
-        "antialiased uint8 kernel, the resize of HF's torchvision-backed processors (3-5x faster preparation of "
+        "antialiased uint8 kernel, the resize of HF's torchvision-backed processors (faster preparation of "
         "photos, a pixel off by one now and then against Pillow); \"pillow\", with Pillow, as HF's PIL-backed "
         "processors do.")
 
     gc_freeze: bool = Field(
         default=True, description="Once a process has started (API, workers, the engine process), freeze its "
         "objects out of Python's garbage collector's scans (common/infra/heap.py): a full collection no longer walks "
-        "the imported libraries and the loaded model, which stopped a busy worker for 0.2-0.4 s at a time.")
+        "the imported libraries and the loaded model, which would stop a busy worker while it did.")
 
     # Input limits.
     max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
@@ -134,7 +134,7 @@ class Settings(BaseSettings):
     image_check: Literal["structure", "decode"] = Field(
         default="structure", description="How submission tells a corrupt image from a good one before accepting "
         "it: \"structure\" reads PNG and JPEG containers without decoding their pixels (every PNG chunk's "
-        "checksum, every JPEG marker to the end of the image; 0.1-5 ms where decoding a photo takes 12-55) and "
+        "checksum, every JPEG marker to the end of the image; far cheaper than decoding a photo) and "
         "decodes other formats; \"decode\" decodes every image. An image whose container is whole but whose "
         "compressed data is broken (crafted, in practice) passes \"structure\" and fails its job with "
         "invalid_input.")
