@@ -11,7 +11,6 @@ import logging
 import threading
 import weakref
 from dataclasses import dataclass
-from datetime import timedelta
 
 from celery import Celery, Task
 from celery.signals import task_received
@@ -29,8 +28,7 @@ from common.broker.queue import (
     send_ingest_batch,
     send_run_jobs,
 )
-from common.domain import batches, jobs
-from common.domain.models import JobStatus, utcnow
+from common.domain import batches
 from common.infra.db import Database, get_database
 from common.infra.debounce import Debouncer
 from common.infra.settings import Settings, get_settings
@@ -157,31 +155,14 @@ def register_tasks(app: Celery) -> None:
 
     @app.task(shared=False, name=TASK_SWEEP_BATCHES, bind=True, acks_late=True)
     def sweep_batches(self: Task) -> int:
-        """Periodic (beat): requeue jobs whose worker died, top up every tenant's dispatch window, expire
-        batches past their window, finalize those a trigger missed, and delete expired files."""
-        from common.domain.file_expiry import delete_expired_files
-        from worker.batches.finalize import due_batches, expire_batch, expire_due
+        """Periodic (beat): the maintenance sweep (worker/batches/sweep.py)."""
+        from worker.batches.sweep import SweepDeps, sweep
 
         ctx = batch_context(app)
-        with ctx.db.session() as session:
-            reaped = jobs.reap(session)
-        if reaped[JobStatus.QUEUED] or reaped[JobStatus.DEAD]:
-            log.info("reaped expired leases: %d requeued, %d dead", len(reaped[JobStatus.QUEUED]),
-                     len(reaped[JobStatus.DEAD]))
-        _republish_lost(ctx)
-        _resend_lost_ingestions(app, ctx)
-        dispatch.top_up_all(ctx.db, ctx.settings.dispatch_window, model_sender(app, ctx.settings))
-        for batch_id in expire_due(ctx.db):
-            log.info("batch %s expired: %d open jobs cancelled", batch_id, expire_batch(batch_id, ctx.db))
-            # Its open jobs are cancelled now; a job that ended just before did so while some were still
-            # queued, so no job's end may be left to send this.
-            send_finalize_batch(app, ctx.settings, batch_id)
-        due = due_batches(ctx.db)
-        for batch_id in due:
-            send_finalize_batch(app, ctx.settings, batch_id)
-        if deleted := delete_expired_files(ctx.db, ctx.store):
-            log.info("deleted %d expired files", deleted)
-        return len(due)
+        return sweep(SweepDeps(
+            ctx.settings, ctx.db, ctx.store, send_jobs=model_sender(app, ctx.settings),
+            send_ingest=lambda batch_id: send_ingest_batch(app, ctx.settings, batch_id),
+            send_finalize=lambda batch_id: send_finalize_batch(app, ctx.settings, batch_id)))
 
 
 def _run_jobs(task: Task, app: Celery, ctx: WorkerContext, job_ids: list[str]) -> list[str]:
@@ -206,45 +187,6 @@ def _run_jobs(task: Task, app: Celery, ctx: WorkerContext, job_ids: list[str]) -
     if again:
         raise task.retry(args=[again], countdown=_backoff(task, ctx.settings.retry_backoff_seconds))
     return [result.status for result in results if isinstance(result, Outcome)]
-
-
-def _republish_lost(ctx: BatchContext) -> None:
-    """Jobs whose message the broker lost (a Redis restart without persistence) are marked unsent, so the
-    top-up that follows sends them again. SQL is the truth; the broker's contents are rebuilt from it."""
-    from common.broker.messages import BrokerNotInspectable, live_job_ids
-
-    try:
-        live = live_job_ids(ctx.settings.broker_url, unacked_max_age=ctx.settings.republish_grace_seconds)
-    except BrokerNotInspectable:
-        return  # the in-process broker of embedded mode dies with its jobs' process, never alone
-    except Exception:
-        log.exception("could not list the broker's messages; republishing skipped this round")
-        return
-    lost = dispatch.lost_messages(ctx.db, live, timedelta(seconds=ctx.settings.republish_grace_seconds))
-    if lost:
-        log.warning("%d queued jobs had no message in the broker; sending them again", len(lost))
-
-
-def _resend_lost_ingestions(app: Celery, ctx: BatchContext) -> None:
-    """Batches still validating whose ingest_batch message the broker lost (a Redis restart without
-    persistence) get it again; they would otherwise wait, unread, until their completion window expired. A
-    message sent twice is harmless: ingestion resumes after the last committed chunk, and two ingesters of
-    one batch cannot both commit the same chunk (batches.advance_ingestion)."""
-    from common.broker.messages import BrokerNotInspectable, live_ingested_batch_ids
-
-    try:
-        live = live_ingested_batch_ids(ctx.settings.broker_url)
-    except BrokerNotInspectable:
-        return  # embedded mode: `vlmq api` sends them again at start (worker/embedded.resume_ingestions)
-    except Exception:
-        log.exception("could not list the broker's messages; lost ingestions not looked for this round")
-        return
-    cutoff = utcnow() - timedelta(seconds=ctx.settings.republish_grace_seconds)
-    with ctx.db.session() as session:
-        lost = [b for b in batches.validating_since(session, cutoff) if b not in live]
-    for batch_id in lost:
-        log.warning("batch %s: its ingestion message was lost; sending it again", batch_id)
-        send_ingest_batch(app, ctx.settings, batch_id)
 
 
 def _after_job(app: Celery, db: Database, settings: Settings, job_id: str, outcome: Outcome) -> None:
