@@ -1,4 +1,5 @@
-"""Thin Celery tasks; the work is in worker.jobs.pipeline, worker.batches.ingest and worker.batches.finalize.
+"""Thin Celery tasks; the work is in worker.jobs (the pipeline, the chunk runner, after_job) and
+worker.batches (ingest, finalize, sweep).
 
 Only run_job needs the model: batch tasks use a light context (settings, database, object store) built on
 first use, so a `vlmq ingest-worker` process never imports torch and a GPU worker's model is not loaded for
@@ -15,7 +16,6 @@ from dataclasses import dataclass
 from celery import Celery, Task
 from celery.signals import task_received
 
-from common.broker import dispatch
 from common.broker.queue import (
     TASK_CANCEL_BATCH,
     TASK_FINALIZE_BATCH,
@@ -28,13 +28,12 @@ from common.broker.queue import (
     send_ingest_batch,
     send_run_jobs,
 )
-from common.domain import batches
 from common.infra.db import Database, get_database
-from common.infra.debounce import Debouncer
 from common.infra.settings import Settings, get_settings
 from common.infra.storage import ObjectStore, make_store
 from worker.context import WorkerContext, get_context
-from worker.jobs.pipeline import Ending, Outcome
+from worker.jobs.after_job import AfterJobDeps, after_job, has_follow_ups
+from worker.jobs.pipeline import Outcome
 from worker.jobs.prefetch_share import PrefetchShare
 
 log = logging.getLogger(__name__)
@@ -51,10 +50,6 @@ class BatchContext:
 
 # Keyed by the app itself, weakly: an id() outlives its app and may be reused by the next one.
 _batch_contexts: weakref.WeakKeyDictionary[Celery, BatchContext] = weakref.WeakKeyDictionary()
-# Follow-ups of ended jobs (dispatch top-ups per tenant and model, finalize checks per batch) run on one
-# background thread, at most once per interval for each key (common/infra/debounce.py).
-AFTER_JOB_INTERVAL_SECONDS = 0.1
-_after_job_work = Debouncer(AFTER_JOB_INTERVAL_SECONDS, name="vlmq-after-job")
 _batch_lock = threading.Lock()
 # Slots of the worker's prefetch taken by messages of several jobs (worker/jobs/prefetch_share.py).
 _prefetch = PrefetchShare()
@@ -103,8 +98,8 @@ def register_tasks(app: Celery) -> None:
         except Exception as exc:
             # SQL unreachable before the job was even claimed: the row is still queued, so deliver again later.
             raise self.retry(exc=exc, countdown=ctx.settings.retry_backoff_seconds, max_retries=20) from exc
-        if not outcome.retry and outcome.status != Ending.SKIPPED:
-            _after_job(app, ctx.db, ctx.settings, job_ids, outcome)
+        if has_follow_ups(outcome):
+            after_job(_after_job_deps(app, ctx), job_ids, outcome)
         if outcome.retry:
             raise self.retry(countdown=_backoff(self, ctx.settings.retry_backoff_seconds))
         return outcome.status
@@ -172,8 +167,8 @@ def _run_jobs(task: Task, app: Celery, ctx: WorkerContext, job_ids: list[str]) -
 
     def ended(job_id: str, result: Outcome | Exception) -> None:
         _prefetch.give_back(task_id, 1)  # a slot of this message's for the worker's next job
-        if isinstance(result, Outcome) and not result.retry and result.status != Ending.SKIPPED:
-            _after_job(app, ctx.db, ctx.settings, job_id, result)
+        if isinstance(result, Outcome) and has_follow_ups(result):
+            after_job(_after_job_deps(app, ctx), job_id, result)
 
     try:
         results = ctx.chunks.run(job_ids, on_job_done=ended)
@@ -189,27 +184,7 @@ def _run_jobs(task: Task, app: Celery, ctx: WorkerContext, job_ids: list[str]) -
     return [result.status for result in results if isinstance(result, Outcome)]
 
 
-def _after_job(app: Celery, db: Database, settings: Settings, job_id: str, outcome: Outcome) -> None:
-    """Refill the tenant's dispatch window, and send finalize_batch when this job was the last open one of
-    its batch.
-
-    Asked for right after each job ends, rather than left to the periodic sweep: a batch completes as soon
-    as its last job does, and its window is refilled while the engine still has work. Both run on the
-    debouncer's thread, at most every AFTER_JOB_INTERVAL_SECONDS per key, and once after the last job to ask:
-    each is one or two indexed queries that answer for every job ended before it started. A job that ends
-    elsewhere (reaped to `dead`), or a run lost with its process, is caught by the sweep task. Finalization
-    is idempotent, should two checks both see the batch done."""
-    assert outcome.tenant is not None and outcome.model is not None  # a job that ran carries them
-    tenant, model = outcome.tenant, outcome.model
-    _after_job_work.request(("top_up", id(db), tenant, model), lambda: dispatch.top_up_after_job(
-        db, tenant, model, settings.dispatch_window, model_sender(app, settings)))
-    if outcome.batch_id is None:
-        return  # a single job: no batch to finalize
-
-    def finalize_if_done() -> None:
-        with db.session() as session:
-            batch_id = batches.ready_after_job(session, job_id)
-        if batch_id is not None:
-            send_finalize_batch(app, settings, batch_id)
-
-    _after_job_work.request(("finalize", id(db), outcome.batch_id), finalize_if_done)
+def _after_job_deps(app: Celery, ctx: WorkerContext) -> AfterJobDeps:
+    settings = ctx.settings
+    return AfterJobDeps(ctx.db, settings.dispatch_window, send_jobs=model_sender(app, settings),
+                        send_finalize=lambda batch_id: send_finalize_batch(app, settings, batch_id))
