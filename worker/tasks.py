@@ -1,6 +1,9 @@
 """Thin Celery tasks; the work is in worker.jobs (the pipeline, the chunk runner, after_job) and
 worker.batches (ingest, finalize, sweep).
 
+The tasks are plain functions here, bound to an app by register_tasks: several apps may live in one process
+(tests, an embedded run), and each gets task classes of its own whose `task.app` is that app.
+
 Only run_job needs the model: batch tasks use a light context (settings, database, object store) built on
 first use, so a `vlmq ingest-worker` process never imports torch and a GPU worker's model is not loaded for
 them either.
@@ -66,104 +69,45 @@ def batch_context(app: Celery) -> BatchContext:
         return ctx
 
 
-def _model_retry_seconds(app: Celery) -> float:
-    """How long a job waits before trying again for a model that failed to load."""
-    settings = app_settings(app) or get_settings()
-    return max(settings.retry_backoff_seconds, 5.0)
-
-
-def _backoff(task: Task, base: float) -> float:
-    return min(base * (2 ** max(0, task.request.retries)), 300.0)
-
-
 def register_tasks(app: Celery) -> None:
+    """Bind the tasks below to `app`. Not shared: a shared task is registered on every app made later in the
+    process too, where it would run against this one."""
     task_received.connect(_prefetch.on_task_received, weak=False, dispatch_uid="vlmq-prefetch-share")
-    # Tasks use this `app`, not `self.app`: in a worker thread that did not make the app current (the
-    # embedded worker), Celery resolves `self.app` to its unconfigured default app. Not shared: a shared
-    # task is registered on every app made later in the process too, where it would run against this one.
-    @app.task(shared=False, name=TASK_RUN_JOB, bind=True, acks_late=True, max_retries=None)
-    def run_job(self: Task, job_ids: str | list[str]) -> str | list[str]:
-        """One job (its id), or several sent together (a list of ids: common/broker/queue.run_job_args)."""
-        try:
-            # The app's settings: in an embedded run they are the run's, not the environment's.
-            ctx = get_context(app_settings(app))
-        except Exception as exc:
-            # No model to run on (it failed to load): the message waits, the job stays queued.
-            log.error("cannot run jobs: the worker's model failed to load: %s", exc)
-            raise self.retry(countdown=_model_retry_seconds(app), max_retries=None) from None
-        if isinstance(job_ids, list):
-            return _run_jobs(self, app, ctx, [str(job_id) for job_id in job_ids])
-        try:
-            outcome = ctx.pipeline.run(job_ids)
-        except Exception as exc:
-            # SQL unreachable before the job was even claimed: the row is still queued, so deliver again later.
-            raise self.retry(exc=exc, countdown=ctx.settings.retry_backoff_seconds, max_retries=20) from exc
-        if has_follow_ups(outcome):
-            after_job(_after_job_deps(app, ctx), job_ids, outcome)
-        if outcome.retry:
-            raise self.retry(countdown=_backoff(self, ctx.settings.retry_backoff_seconds))
-        return outcome.status
-
-    @app.task(shared=False, name=TASK_INGEST_BATCH, bind=True, acks_late=True, max_retries=BATCH_TASK_RETRIES)
-    def ingest_batch(self: Task, batch_id: str) -> str:
-        from worker.batches.ingest import IngestDeps
-        from worker.batches.ingest import ingest_batch as ingest
-
-        ctx = batch_context(app)
-
-        def dispatch(model_settings: Settings, job_ids: list[str], priority: int) -> None:
-            send_run_jobs(app, model_settings, job_ids, priority)
-
-        try:
-            status = ingest(batch_id, IngestDeps(ctx.settings, ctx.db, ctx.store, dispatch))
-        except Exception as exc:
-            # SQL, storage or broker trouble: committed chunks stay, the retry resumes after them.
-            log.exception("batch %s: ingestion failed (attempt %d)", batch_id, self.request.retries + 1)
-            raise self.retry(exc=exc, countdown=_backoff(self, 2.0)) from exc
-        # Its jobs may all have ended while later chunks were read; a cancelled ingestion ends here too.
-        send_finalize_batch(app, ctx.settings, batch_id)
-        return status
-
-    @app.task(shared=False, name=TASK_FINALIZE_BATCH, bind=True, acks_late=True, max_retries=BATCH_TASK_RETRIES)
-    def finalize_batch(self: Task, batch_id: str) -> str:
-        from worker.batches.finalize import finalize_batch as finalize
-
-        ctx = batch_context(app)
-        try:
-            return finalize(batch_id, ctx.db, ctx.store)
-        except Exception as exc:
-            log.exception("batch %s: finalization failed", batch_id)
-            raise self.retry(exc=exc, countdown=_backoff(self, 2.0)) from exc
-
-    @app.task(shared=False, name=TASK_CANCEL_BATCH, bind=True, acks_late=True, max_retries=BATCH_TASK_RETRIES)
-    def cancel_batch(self: Task, batch_id: str) -> str:
-        from worker.batches.finalize import cancel_batch_jobs
-        from worker.batches.finalize import finalize_batch as finalize
-
-        ctx = batch_context(app)
-        try:
-            cancelled = cancel_batch_jobs(batch_id, ctx.db)
-            log.info("batch %s: %d queued jobs cancelled", batch_id, cancelled)
-            return finalize(batch_id, ctx.db, ctx.store)
-        except Exception as exc:
-            raise self.retry(exc=exc, countdown=_backoff(self, 2.0)) from exc
-
-    @app.task(shared=False, name=TASK_SWEEP_BATCHES, bind=True, acks_late=True)
-    def sweep_batches(self: Task) -> int:
-        """Periodic (beat): the maintenance sweep (worker/batches/sweep.py)."""
-        from worker.batches.sweep import SweepDeps, sweep
-
-        ctx = batch_context(app)
-        return sweep(SweepDeps(
-            ctx.settings, ctx.db, ctx.store, send_jobs=model_sender(app, ctx.settings),
-            send_ingest=lambda batch_id: send_ingest_batch(app, ctx.settings, batch_id),
-            send_finalize=lambda batch_id: send_finalize_batch(app, ctx.settings, batch_id)))
+    app.task(shared=False, name=TASK_RUN_JOB, bind=True, acks_late=True, max_retries=None)(run_job)
+    for name, batch_task in ((TASK_INGEST_BATCH, ingest_batch), (TASK_FINALIZE_BATCH, finalize_batch),
+                             (TASK_CANCEL_BATCH, cancel_batch)):
+        app.task(shared=False, name=name, bind=True, acks_late=True, max_retries=BATCH_TASK_RETRIES)(batch_task)
+    app.task(shared=False, name=TASK_SWEEP_BATCHES, bind=True, acks_late=True)(sweep_batches)
 
 
-def _run_jobs(task: Task, app: Celery, ctx: WorkerContext, job_ids: list[str]) -> list[str]:
+def run_job(task: Task, job_ids: str | list[str]) -> str | list[str]:
+    """One job (its id), or several sent together (a list of ids: common/broker/queue.run_job_args)."""
+    app = task.app
+    try:
+        # The app's settings: in an embedded run they are the run's, not the environment's.
+        ctx = get_context(app_settings(app))
+    except Exception as exc:
+        # No model to run on (it failed to load): the message waits, the job stays queued.
+        log.error("cannot run jobs: the worker's model failed to load: %s", exc)
+        raise task.retry(countdown=_model_retry_seconds(app), max_retries=None) from None
+    if isinstance(job_ids, list):
+        return _run_jobs(task, ctx, [str(job_id) for job_id in job_ids])
+    try:
+        outcome = ctx.pipeline.run(job_ids)
+    except Exception as exc:
+        # SQL unreachable before the job was even claimed: the row is still queued, so deliver again later.
+        raise task.retry(exc=exc, countdown=ctx.settings.retry_backoff_seconds, max_retries=20) from exc
+    if has_follow_ups(outcome):
+        after_job(_after_job_deps(app, ctx), job_ids, outcome)
+    if outcome.retry:
+        raise task.retry(countdown=_backoff(task, ctx.settings.retry_backoff_seconds))
+    return outcome.status
+
+
+def _run_jobs(task: Task, ctx: WorkerContext, job_ids: list[str]) -> list[str]:
     """The rows of one message as a chunk (worker/jobs/chunk_runner.py); those to run again (released, or not
     reached for SQL trouble) go back in one message of their own, as a lone job's message would be retried."""
-    task_id = task.request.id
+    task_id, app = task.request.id, task.app
 
     def ended(job_id: str, result: Outcome | Exception) -> None:
         _prefetch.give_back(task_id, 1)  # a slot of this message's for the worker's next job
@@ -184,7 +128,74 @@ def _run_jobs(task: Task, app: Celery, ctx: WorkerContext, job_ids: list[str]) -
     return [result.status for result in results if isinstance(result, Outcome)]
 
 
+def ingest_batch(task: Task, batch_id: str) -> str:
+    from worker.batches.ingest import IngestDeps
+    from worker.batches.ingest import ingest_batch as ingest
+
+    app = task.app
+    ctx = batch_context(app)
+
+    def dispatch(model_settings: Settings, job_ids: list[str], priority: int) -> None:
+        send_run_jobs(app, model_settings, job_ids, priority)
+
+    try:
+        status = ingest(batch_id, IngestDeps(ctx.settings, ctx.db, ctx.store, dispatch))
+    except Exception as exc:
+        # SQL, storage or broker trouble: committed chunks stay, the retry resumes after them.
+        log.exception("batch %s: ingestion failed (attempt %d)", batch_id, task.request.retries + 1)
+        raise task.retry(exc=exc, countdown=_backoff(task, 2.0)) from exc
+    # Its jobs may all have ended while later chunks were read; a cancelled ingestion ends here too.
+    send_finalize_batch(app, ctx.settings, batch_id)
+    return status
+
+
+def finalize_batch(task: Task, batch_id: str) -> str:
+    from worker.batches.finalize import finalize_batch as finalize
+
+    ctx = batch_context(task.app)
+    try:
+        return finalize(batch_id, ctx.db, ctx.store)
+    except Exception as exc:
+        log.exception("batch %s: finalization failed", batch_id)
+        raise task.retry(exc=exc, countdown=_backoff(task, 2.0)) from exc
+
+
+def cancel_batch(task: Task, batch_id: str) -> str:
+    from worker.batches.finalize import cancel_batch_jobs
+    from worker.batches.finalize import finalize_batch as finalize
+
+    ctx = batch_context(task.app)
+    try:
+        cancelled = cancel_batch_jobs(batch_id, ctx.db)
+        log.info("batch %s: %d queued jobs cancelled", batch_id, cancelled)
+        return finalize(batch_id, ctx.db, ctx.store)
+    except Exception as exc:
+        raise task.retry(exc=exc, countdown=_backoff(task, 2.0)) from exc
+
+
+def sweep_batches(task: Task) -> int:
+    """Periodic (beat): the maintenance sweep (worker/batches/sweep.py)."""
+    from worker.batches.sweep import SweepDeps, sweep
+
+    app = task.app
+    ctx = batch_context(app)
+    return sweep(SweepDeps(
+        ctx.settings, ctx.db, ctx.store, send_jobs=model_sender(app, ctx.settings),
+        send_ingest=lambda batch_id: send_ingest_batch(app, ctx.settings, batch_id),
+        send_finalize=lambda batch_id: send_finalize_batch(app, ctx.settings, batch_id)))
+
+
 def _after_job_deps(app: Celery, ctx: WorkerContext) -> AfterJobDeps:
     settings = ctx.settings
     return AfterJobDeps(ctx.db, settings.dispatch_window, send_jobs=model_sender(app, settings),
                         send_finalize=lambda batch_id: send_finalize_batch(app, settings, batch_id))
+
+
+def _model_retry_seconds(app: Celery) -> float:
+    """How long a job waits before trying again for a model that failed to load."""
+    settings = app_settings(app) or get_settings()
+    return max(settings.retry_backoff_seconds, 5.0)
+
+
+def _backoff(task: Task, base: float) -> float:
+    return min(base * (2 ** max(0, task.request.retries)), 300.0)
