@@ -1,4 +1,8 @@
-"""Thin Celery tasks; the work is in worker.jobs.pipeline, worker.batches.ingest and worker.batches.finalize.
+"""Thin Celery tasks; the work is in worker.jobs (the pipeline, the chunk runner, after_job) and
+worker.batches (ingest, finalize, sweep).
+
+The tasks are plain functions here, bound to an app by register_tasks: several apps may live in one process
+(tests, an embedded run), and each gets task classes of its own whose `task.app` is that app.
 
 Only run_job needs the model: batch tasks use a light context (settings, database, object store) built on
 first use, so a `vlmq ingest-worker` process never imports torch and a GPU worker's model is not loaded for
@@ -11,12 +15,10 @@ import logging
 import threading
 import weakref
 from dataclasses import dataclass
-from datetime import timedelta
 
 from celery import Celery, Task
 from celery.signals import task_received
 
-from common.broker import dispatch
 from common.broker.queue import (
     TASK_CANCEL_BATCH,
     TASK_FINALIZE_BATCH,
@@ -29,14 +31,12 @@ from common.broker.queue import (
     send_ingest_batch,
     send_run_jobs,
 )
-from common.domain import batches, jobs
-from common.domain.models import JobStatus, utcnow
 from common.infra.db import Database, get_database
-from common.infra.debounce import Debouncer
 from common.infra.settings import Settings, get_settings
 from common.infra.storage import ObjectStore, make_store
 from worker.context import WorkerContext, get_context
-from worker.jobs.pipeline import Ending, Outcome
+from worker.jobs.after_job import AfterJobDeps, after_job, has_follow_ups
+from worker.jobs.pipeline import Outcome
 from worker.jobs.prefetch_share import PrefetchShare
 
 log = logging.getLogger(__name__)
@@ -53,10 +53,6 @@ class BatchContext:
 
 # Keyed by the app itself, weakly: an id() outlives its app and may be reused by the next one.
 _batch_contexts: weakref.WeakKeyDictionary[Celery, BatchContext] = weakref.WeakKeyDictionary()
-# Follow-ups of ended jobs (dispatch top-ups per tenant and model, finalize checks per batch) run on one
-# background thread, at most once per interval for each key (common/infra/debounce.py).
-AFTER_JOB_INTERVAL_SECONDS = 0.1
-_after_job_work = Debouncer(AFTER_JOB_INTERVAL_SECONDS, name="vlmq-after-job")
 _batch_lock = threading.Lock()
 # Slots of the worker's prefetch taken by messages of several jobs (worker/jobs/prefetch_share.py).
 _prefetch = PrefetchShare()
@@ -73,126 +69,50 @@ def batch_context(app: Celery) -> BatchContext:
         return ctx
 
 
-def _model_retry_seconds(app: Celery) -> float:
-    """How long a job waits before trying again for a model that failed to load."""
-    settings = app_settings(app) or get_settings()
-    return max(settings.retry_backoff_seconds, 5.0)
-
-
-def _backoff(task: Task, base: float) -> float:
-    return min(base * (2 ** max(0, task.request.retries)), 300.0)
-
-
 def register_tasks(app: Celery) -> None:
+    """Bind the tasks below to `app`. Not shared: a shared task is registered on every app made later in the
+    process too, where it would run against this one."""
     task_received.connect(_prefetch.on_task_received, weak=False, dispatch_uid="vlmq-prefetch-share")
-    # Tasks use this `app`, not `self.app`: in a worker thread that did not make the app current (the
-    # embedded worker), Celery resolves `self.app` to its unconfigured default app. Not shared: a shared
-    # task is registered on every app made later in the process too, where it would run against this one.
-    @app.task(shared=False, name=TASK_RUN_JOB, bind=True, acks_late=True, max_retries=None)
-    def run_job(self: Task, job_ids: str | list[str]) -> str | list[str]:
-        """One job (its id), or several sent together (a list of ids: common/broker/queue.run_job_args)."""
-        try:
-            # The app's settings: in an embedded run they are the run's, not the environment's.
-            ctx = get_context(app_settings(app))
-        except Exception as exc:
-            # No model to run on (it failed to load): the message waits, the job stays queued.
-            log.error("cannot run jobs: the worker's model failed to load: %s", exc)
-            raise self.retry(countdown=_model_retry_seconds(app), max_retries=None) from None
-        if isinstance(job_ids, list):
-            return _run_jobs(self, app, ctx, [str(job_id) for job_id in job_ids])
-        try:
-            outcome = ctx.pipeline.run(job_ids)
-        except Exception as exc:
-            # SQL unreachable before the job was even claimed: the row is still queued, so deliver again later.
-            raise self.retry(exc=exc, countdown=ctx.settings.retry_backoff_seconds, max_retries=20) from exc
-        if not outcome.retry and outcome.status != Ending.SKIPPED:
-            _after_job(app, ctx.db, ctx.settings, job_ids, outcome)
-        if outcome.retry:
-            raise self.retry(countdown=_backoff(self, ctx.settings.retry_backoff_seconds))
-        return outcome.status
-
-    @app.task(shared=False, name=TASK_INGEST_BATCH, bind=True, acks_late=True, max_retries=BATCH_TASK_RETRIES)
-    def ingest_batch(self: Task, batch_id: str) -> str:
-        from worker.batches.ingest import IngestDeps
-        from worker.batches.ingest import ingest_batch as ingest
-
-        ctx = batch_context(app)
-
-        def dispatch(model_settings: Settings, job_ids: list[str], priority: int) -> None:
-            send_run_jobs(app, model_settings, job_ids, priority)
-
-        try:
-            status = ingest(batch_id, IngestDeps(ctx.settings, ctx.db, ctx.store, dispatch))
-        except Exception as exc:
-            # SQL, storage or broker trouble: committed chunks stay, the retry resumes after them.
-            log.exception("batch %s: ingestion failed (attempt %d)", batch_id, self.request.retries + 1)
-            raise self.retry(exc=exc, countdown=_backoff(self, 2.0)) from exc
-        # Its jobs may all have ended while later chunks were read; a cancelled ingestion ends here too.
-        send_finalize_batch(app, ctx.settings, batch_id)
-        return status
-
-    @app.task(shared=False, name=TASK_FINALIZE_BATCH, bind=True, acks_late=True, max_retries=BATCH_TASK_RETRIES)
-    def finalize_batch(self: Task, batch_id: str) -> str:
-        from worker.batches.finalize import finalize_batch as finalize
-
-        ctx = batch_context(app)
-        try:
-            return finalize(batch_id, ctx.db, ctx.store)
-        except Exception as exc:
-            log.exception("batch %s: finalization failed", batch_id)
-            raise self.retry(exc=exc, countdown=_backoff(self, 2.0)) from exc
-
-    @app.task(shared=False, name=TASK_CANCEL_BATCH, bind=True, acks_late=True, max_retries=BATCH_TASK_RETRIES)
-    def cancel_batch(self: Task, batch_id: str) -> str:
-        from worker.batches.finalize import cancel_batch_jobs
-        from worker.batches.finalize import finalize_batch as finalize
-
-        ctx = batch_context(app)
-        try:
-            cancelled = cancel_batch_jobs(batch_id, ctx.db)
-            log.info("batch %s: %d queued jobs cancelled", batch_id, cancelled)
-            return finalize(batch_id, ctx.db, ctx.store)
-        except Exception as exc:
-            raise self.retry(exc=exc, countdown=_backoff(self, 2.0)) from exc
-
-    @app.task(shared=False, name=TASK_SWEEP_BATCHES, bind=True, acks_late=True)
-    def sweep_batches(self: Task) -> int:
-        """Periodic (beat): requeue jobs whose worker died, top up every tenant's dispatch window, expire
-        batches past their window, finalize those a trigger missed, and delete expired files."""
-        from common.domain.file_expiry import delete_expired_files
-        from worker.batches.finalize import due_batches, expire_batch, expire_due
-
-        ctx = batch_context(app)
-        with ctx.db.session() as session:
-            reaped = jobs.reap(session)
-        if reaped[JobStatus.QUEUED] or reaped[JobStatus.DEAD]:
-            log.info("reaped expired leases: %d requeued, %d dead", len(reaped[JobStatus.QUEUED]),
-                     len(reaped[JobStatus.DEAD]))
-        _republish_lost(ctx)
-        _resend_lost_ingestions(app, ctx)
-        dispatch.top_up_all(ctx.db, ctx.settings.dispatch_window, model_sender(app, ctx.settings))
-        for batch_id in expire_due(ctx.db):
-            log.info("batch %s expired: %d open jobs cancelled", batch_id, expire_batch(batch_id, ctx.db))
-            # Its open jobs are cancelled now; a job that ended just before did so while some were still
-            # queued, so no job's end may be left to send this.
-            send_finalize_batch(app, ctx.settings, batch_id)
-        due = due_batches(ctx.db)
-        for batch_id in due:
-            send_finalize_batch(app, ctx.settings, batch_id)
-        if deleted := delete_expired_files(ctx.db, ctx.store):
-            log.info("deleted %d expired files", deleted)
-        return len(due)
+    app.task(shared=False, name=TASK_RUN_JOB, bind=True, acks_late=True, max_retries=None)(run_job)
+    for name, batch_task in ((TASK_INGEST_BATCH, ingest_batch), (TASK_FINALIZE_BATCH, finalize_batch),
+                             (TASK_CANCEL_BATCH, cancel_batch)):
+        app.task(shared=False, name=name, bind=True, acks_late=True, max_retries=BATCH_TASK_RETRIES)(batch_task)
+    app.task(shared=False, name=TASK_SWEEP_BATCHES, bind=True, acks_late=True)(sweep_batches)
 
 
-def _run_jobs(task: Task, app: Celery, ctx: WorkerContext, job_ids: list[str]) -> list[str]:
+def run_job(task: Task, job_ids: str | list[str]) -> str | list[str]:
+    """One job (its id), or several sent together (a list of ids: common/broker/queue.run_job_args)."""
+    app = task.app
+    try:
+        # The app's settings: in an embedded run they are the run's, not the environment's.
+        ctx = get_context(app_settings(app))
+    except Exception as exc:
+        # No model to run on (it failed to load): the message waits, the job stays queued.
+        log.error("cannot run jobs: the worker's model failed to load: %s", exc)
+        raise task.retry(countdown=_model_retry_seconds(app), max_retries=None) from None
+    if isinstance(job_ids, list):
+        return _run_jobs(task, ctx, [str(job_id) for job_id in job_ids])
+    try:
+        outcome = ctx.pipeline.run(job_ids)
+    except Exception as exc:
+        # SQL unreachable before the job was even claimed: the row is still queued, so deliver again later.
+        raise task.retry(exc=exc, countdown=ctx.settings.retry_backoff_seconds, max_retries=20) from exc
+    if has_follow_ups(outcome):
+        after_job(_after_job_deps(app, ctx), job_ids, outcome)
+    if outcome.retry:
+        raise task.retry(countdown=_backoff(task, ctx.settings.retry_backoff_seconds))
+    return outcome.status
+
+
+def _run_jobs(task: Task, ctx: WorkerContext, job_ids: list[str]) -> list[str]:
     """The rows of one message as a chunk (worker/jobs/chunk_runner.py); those to run again (released, or not
     reached for SQL trouble) go back in one message of their own, as a lone job's message would be retried."""
-    task_id = task.request.id
+    task_id, app = task.request.id, task.app
 
     def ended(job_id: str, result: Outcome | Exception) -> None:
         _prefetch.give_back(task_id, 1)  # a slot of this message's for the worker's next job
-        if isinstance(result, Outcome) and not result.retry and result.status != Ending.SKIPPED:
-            _after_job(app, ctx.db, ctx.settings, job_id, result)
+        if isinstance(result, Outcome) and has_follow_ups(result):
+            after_job(_after_job_deps(app, ctx), job_id, result)
 
     try:
         results = ctx.chunks.run(job_ids, on_job_done=ended)
@@ -208,66 +128,74 @@ def _run_jobs(task: Task, app: Celery, ctx: WorkerContext, job_ids: list[str]) -
     return [result.status for result in results if isinstance(result, Outcome)]
 
 
-def _republish_lost(ctx: BatchContext) -> None:
-    """Jobs whose message the broker lost (a Redis restart without persistence) are marked unsent, so the
-    top-up that follows sends them again. SQL is the truth; the broker's contents are rebuilt from it."""
-    from common.broker.messages import BrokerNotInspectable, live_job_ids
+def ingest_batch(task: Task, batch_id: str) -> str:
+    from worker.batches.ingest import IngestDeps
+    from worker.batches.ingest import ingest_batch as ingest
+
+    app = task.app
+    ctx = batch_context(app)
+
+    def dispatch(model_settings: Settings, job_ids: list[str], priority: int) -> None:
+        send_run_jobs(app, model_settings, job_ids, priority)
 
     try:
-        live = live_job_ids(ctx.settings.broker_url, unacked_max_age=ctx.settings.republish_grace_seconds)
-    except BrokerNotInspectable:
-        return  # the in-process broker of embedded mode dies with its jobs' process, never alone
-    except Exception:
-        log.exception("could not list the broker's messages; republishing skipped this round")
-        return
-    lost = dispatch.lost_messages(ctx.db, live, timedelta(seconds=ctx.settings.republish_grace_seconds))
-    if lost:
-        log.warning("%d queued jobs had no message in the broker; sending them again", len(lost))
+        status = ingest(batch_id, IngestDeps(ctx.settings, ctx.db, ctx.store, dispatch))
+    except Exception as exc:
+        # SQL, storage or broker trouble: committed chunks stay, the retry resumes after them.
+        log.exception("batch %s: ingestion failed (attempt %d)", batch_id, task.request.retries + 1)
+        raise task.retry(exc=exc, countdown=_backoff(task, 2.0)) from exc
+    # Its jobs may all have ended while later chunks were read; a cancelled ingestion ends here too.
+    send_finalize_batch(app, ctx.settings, batch_id)
+    return status
 
 
-def _resend_lost_ingestions(app: Celery, ctx: BatchContext) -> None:
-    """Batches still validating whose ingest_batch message the broker lost (a Redis restart without
-    persistence) get it again; they would otherwise wait, unread, until their completion window expired. A
-    message sent twice is harmless: ingestion resumes after the last committed chunk, and two ingesters of
-    one batch cannot both commit the same chunk (batches.advance_ingestion)."""
-    from common.broker.messages import BrokerNotInspectable, live_ingested_batch_ids
+def finalize_batch(task: Task, batch_id: str) -> str:
+    from worker.batches.finalize import finalize_batch as finalize
 
+    ctx = batch_context(task.app)
     try:
-        live = live_ingested_batch_ids(ctx.settings.broker_url)
-    except BrokerNotInspectable:
-        return  # embedded mode: `vlmq api` sends them again at start (worker/embedded.resume_ingestions)
-    except Exception:
-        log.exception("could not list the broker's messages; lost ingestions not looked for this round")
-        return
-    cutoff = utcnow() - timedelta(seconds=ctx.settings.republish_grace_seconds)
-    with ctx.db.session() as session:
-        lost = [b for b in batches.validating_since(session, cutoff) if b not in live]
-    for batch_id in lost:
-        log.warning("batch %s: its ingestion message was lost; sending it again", batch_id)
-        send_ingest_batch(app, ctx.settings, batch_id)
+        return finalize(batch_id, ctx.db, ctx.store)
+    except Exception as exc:
+        log.exception("batch %s: finalization failed", batch_id)
+        raise task.retry(exc=exc, countdown=_backoff(task, 2.0)) from exc
 
 
-def _after_job(app: Celery, db: Database, settings: Settings, job_id: str, outcome: Outcome) -> None:
-    """Refill the tenant's dispatch window, and send finalize_batch when this job was the last open one of
-    its batch.
+def cancel_batch(task: Task, batch_id: str) -> str:
+    from worker.batches.finalize import cancel_batch_jobs
+    from worker.batches.finalize import finalize_batch as finalize
 
-    Asked for right after each job ends, rather than left to the periodic sweep: a batch completes as soon
-    as its last job does, and its window is refilled while the engine still has work. Both run on the
-    debouncer's thread, at most every AFTER_JOB_INTERVAL_SECONDS per key, and once after the last job to ask:
-    each is one or two indexed queries that answer for every job ended before it started. A job that ends
-    elsewhere (reaped to `dead`), or a run lost with its process, is caught by the sweep task. Finalization
-    is idempotent, should two checks both see the batch done."""
-    assert outcome.tenant is not None and outcome.model is not None  # a job that ran carries them
-    tenant, model = outcome.tenant, outcome.model
-    _after_job_work.request(("top_up", id(db), tenant, model), lambda: dispatch.top_up_after_job(
-        db, tenant, model, settings.dispatch_window, model_sender(app, settings)))
-    if outcome.batch_id is None:
-        return  # a single job: no batch to finalize
+    ctx = batch_context(task.app)
+    try:
+        cancelled = cancel_batch_jobs(batch_id, ctx.db)
+        log.info("batch %s: %d queued jobs cancelled", batch_id, cancelled)
+        return finalize(batch_id, ctx.db, ctx.store)
+    except Exception as exc:
+        raise task.retry(exc=exc, countdown=_backoff(task, 2.0)) from exc
 
-    def finalize_if_done() -> None:
-        with db.session() as session:
-            batch_id = batches.ready_after_job(session, job_id)
-        if batch_id is not None:
-            send_finalize_batch(app, settings, batch_id)
 
-    _after_job_work.request(("finalize", id(db), outcome.batch_id), finalize_if_done)
+def sweep_batches(task: Task) -> int:
+    """Periodic (beat): the maintenance sweep (worker/batches/sweep.py)."""
+    from worker.batches.sweep import SweepDeps, sweep
+
+    app = task.app
+    ctx = batch_context(app)
+    return sweep(SweepDeps(
+        ctx.settings, ctx.db, ctx.store, send_jobs=model_sender(app, ctx.settings),
+        send_ingest=lambda batch_id: send_ingest_batch(app, ctx.settings, batch_id),
+        send_finalize=lambda batch_id: send_finalize_batch(app, ctx.settings, batch_id)))
+
+
+def _after_job_deps(app: Celery, ctx: WorkerContext) -> AfterJobDeps:
+    settings = ctx.settings
+    return AfterJobDeps(ctx.db, settings.dispatch_window, send_jobs=model_sender(app, settings),
+                        send_finalize=lambda batch_id: send_finalize_batch(app, settings, batch_id))
+
+
+def _model_retry_seconds(app: Celery) -> float:
+    """How long a job waits before trying again for a model that failed to load."""
+    settings = app_settings(app) or get_settings()
+    return max(settings.retry_backoff_seconds, 5.0)
+
+
+def _backoff(task: Task, base: float) -> float:
+    return min(base * (2 ** max(0, task.request.retries)), 300.0)

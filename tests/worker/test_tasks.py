@@ -1,10 +1,11 @@
 """worker/tasks.py: the Celery tasks, bound to the app they were registered on."""
 from __future__ import annotations
 
+import threading
 import warnings
 from pathlib import Path
 
-from common.broker.queue import TASK_SWEEP_BATCHES, make_celery
+from common.broker.queue import TASK_RUN_JOB, TASK_SWEEP_BATCHES, make_celery
 from common.infra.migrate import upgrade
 from common.infra.settings import Settings
 from worker.tasks import register_tasks
@@ -27,3 +28,22 @@ def test_each_app_runs_its_own_tasks_against_its_own_settings(tmp_path: Path) ->
     assert swept.result == 0
     failed = first_app.tasks[TASK_SWEEP_BATCHES].apply()
     assert failed.failed() and "no such table" in str(failed.result)
+
+
+def test_a_task_answers_to_its_own_app_from_any_thread(tmp_path: Path) -> None:
+    """The tasks are module-level functions that find their app through `task.app`: each app gets task classes
+    of its own, bound to it, whichever app is current in the thread that runs them (the embedded worker's)."""
+    first, second = (make_celery(Settings(data_dir=tmp_path / name)) for name in ("first", "second"))
+    register_tasks(first)
+    register_tasks(second)
+    seen: dict[str, object] = {}
+
+    def look() -> None:
+        make_celery(Settings(data_dir=tmp_path / "third")).set_current()
+        seen["first"], seen["second"] = first.tasks[TASK_RUN_JOB].app, second.tasks[TASK_RUN_JOB].app
+
+    thread = threading.Thread(target=look)
+    thread.start()
+    thread.join()
+    assert seen == {"first": first, "second": second}
+    assert type(first.tasks[TASK_RUN_JOB]) is not type(second.tasks[TASK_RUN_JOB])
