@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import hashlib
 import io
 import re
 import struct
+import threading
 from collections.abc import Collection, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
@@ -232,13 +234,24 @@ def parse_data_url(url: str) -> bytes:
 
 def _normalize_formats(allowed_formats: Collection[str]) -> tuple[str, ...]:
     # A bare string would otherwise be iterated character by character and allow nothing.
-    names = (allowed_formats,) if isinstance(allowed_formats, str) else allowed_formats
+    return _normalized_formats((allowed_formats,) if isinstance(allowed_formats, str) else tuple(allowed_formats))
+
+
+_plugins_lock = threading.Lock()
+
+
+@functools.lru_cache(maxsize=64)
+def _normalized_formats(names: tuple[str, ...]) -> tuple[str, ...]:
+    """Checked once per list of names: every image of every job names the same one."""
     allowed = tuple(dict.fromkeys(_canonical_format(name) for name in names))
     if not allowed:
         raise ValueError("allowed_formats must name at least one format")
     # A typo in configuration would otherwise surface as a KeyError inside Image.open and be reported to
-    # users as a corrupt image. init() only registers plugins; it parses nothing.
-    Image.init()
+    # users as a corrupt image. init() only registers plugins; it parses nothing. Under a lock: a worker's
+    # first jobs arrive on many threads at once, and each would import every plugin, queueing on the import
+    # locks.
+    with _plugins_lock:
+        Image.init()
     unknown = [name for name in allowed if name not in Image.OPEN]
     if unknown:
         raise ValueError(f"allowed_formats names formats Pillow cannot open: {', '.join(unknown)}")

@@ -3,16 +3,16 @@ finished in bulk as each result arrives.
 
 A batch row is small work for the queue to carry: per row, a thread of its own, its own claim and finish
 hand-offs and their waits cost more of the worker's GIL than preparing the row does. So a chunk's rows are
-claimed in one group (common.domain.jobs.claim_many, under one lease time); each text-only batch row is templated,
-tokenised and submitted in turn on the message's thread; and as the engine ends each, its result is queued to
-the state writer, whose group commit records the chunk's finished rows in bulk UPDATEs as they finish, not at
-the chunk's end. No thread waits on a row.
+claimed in one group (common.domain.jobs.claim_many, under one lease time); the packed images of all of them are
+read with one request per pack (worker/jobs/image_reader.py: rows ingested together have theirs side by side);
+each batch row is decoded, templated, tokenised and submitted in turn on the message's thread; and as the engine
+ends each, its result is queued to the state writer, whose group commit records the chunk's finished rows in
+bulk UPDATEs as they finish, not at the chunk's end. No thread waits on a row.
 
-Rows that need more go to the job pool (worker/jobs/group.py) and run as a message of their own would: rows with
-images (decoded, perhaps prepared in other processes; their packed images are read for the whole chunk first,
-with one request per pack: worker/jobs/image_reader.py), single REST jobs (a result object to write first), and
-rows the chunk's claim did not take (a duplicate delivery, or a last try, which runs alone behind the solo
-gate). Crash safety is the pipeline's: a row's finish is conditional on its
+Rows that need more go to the job pool (worker/jobs/group.py) and run as a message of their own would: image rows
+when a prepare pool does their work in other processes (their threads wait on it in parallel), single REST jobs
+(a result object to write first), and rows the chunk's claim did not take (a duplicate delivery, or a last try,
+which runs alone behind the solo gate). Crash safety is the pipeline's: a row's finish is conditional on its
 lease, so a worker killed mid-chunk loses only its unfinished rows' work, which runs again after the reaper or
 redelivery.
 """
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import replace
 from functools import partial
@@ -29,11 +29,11 @@ from functools import partial
 from common.domain import jobs
 from common.domain.claimed_job import ClaimedJob
 from common.infra.logs import log_fields
-from worker.inference.generation import GenerationResult, InputError
+from worker.inference.generation import GenerationResult
 from worker.jobs.group import JobGroupRunner, OnJobDone
 from worker.jobs.image_reader import ImageRef, image_refs
 from worker.jobs.pipeline import Ending, JobPipeline, Outcome
-from worker.jobs.request import NO_IMAGES, generation_request, has_images
+from worker.jobs.request import has_images
 from worker.jobs.retry import infra_retry
 
 log = logging.getLogger(__name__)
@@ -84,7 +84,8 @@ class ChunkRunner:
         unique = list(dict.fromkeys(job_ids))
         chunk = _Chunk(on_job_done)
         elsewhere: dict[str, Future[Outcome]] = {}
-        to_pool: list[ClaimedJob] = []
+        to_pool: list[ClaimedJob] = []  # rows that run on the job pool, each in a thread
+        here: list[ClaimedJob] = []  # rows this thread prepares and submits, then leaves to callbacks
         with pipeline.gate.shared():
             with pipeline.clock.stage("claim", calls=len(unique)):
                 claims = self._claim(unique)
@@ -99,15 +100,18 @@ class ChunkRunner:
                     continue
                 else:
                     pipeline.leases.add(job_id)
-                    if claim.batch_id is None or has_images(claim.request):
+                    # A prepare pool's processes do an image row's work in parallel: its thread only waits.
+                    if claim.batch_id is None or (pipeline.prepare_pool is not None and has_images(claim.request)):
                         to_pool.append(claim)
                     else:
-                        chunk.open()
-                        self._start(claim, chunk)
-            fetched = self._read_packed_images(to_pool)
+                        here.append(claim)
+            fetched = self._read_packed_images(to_pool + here)
             for claim in to_pool:
                 mine = {ref: fetched[ref] for ref in image_refs(claim.request) if ref in fetched}
                 elsewhere[claim.id] = self.pool.submit(partial(pipeline.run_held, fetched=mine), claim, on_job_done)
+            for claim in here:
+                chunk.open()
+                self._start(claim, chunk, fetched)
             chunk.wait()
             for future in list(elsewhere.values()):
                 future.exception()  # the gate is held until every row this chunk claimed has ended
@@ -155,32 +159,23 @@ class ChunkRunner:
                         len(claims), type(exc).__name__, exc)
             return {}
 
-    def _start(self, job: ClaimedJob, chunk: _Chunk) -> None:
-        """Prepare and submit one claimed text-only batch row; its end comes through callbacks."""
+    def _start(self, job: ClaimedJob, chunk: _Chunk, fetched: Mapping[ImageRef, bytes]) -> None:
+        """Prepare and submit one claimed batch row; its end comes through callbacks."""
         pipeline = self.pipeline
         try:
-            with pipeline.clock.stage("prepare"):
-                request = generation_request(job.id, job.request, job.priority, pipeline.settings, NO_IMAGES,
-                                             job.tenant)
-                prepared = pipeline.generator.prepare(request)
+            prepared = pipeline.prepare(job, fetched)
             future = pipeline.generator.submit(prepared)
-        except InputError as exc:  # a text-only row: no image to be refused
-            self._end_on_pool(job, chunk, pipeline.fail, job, "invalid_input", str(exc))
-            return
         except Exception as exc:
-            with log_fields(job_id=job.id):
-                log.exception("job %s failed on attempt %d", job.id, job.attempts)
-            self._end_on_pool(job, chunk, pipeline.release, job, "worker_error", f"{type(exc).__name__}: {exc}")
+            self._end_on_pool(job, chunk, pipeline.end_failed, job, exc)
             return
         future.add_done_callback(partial(self._generated, job, chunk))
 
     def _generated(self, job: ClaimedJob, chunk: _Chunk, future: Future[GenerationResult]) -> None:
         """On the engine's result thread (or the submitting one): never block here."""
         error = future.exception()
-        if error is not None:
-            log.error("job %s failed on attempt %d: %s: %s", job.id, job.attempts, type(error).__name__, error)
-            self._end_on_pool(job, chunk, self.pipeline.release, job, "worker_error",
-                              f"{type(error).__name__}: {error}")
+        if error is not None:  # ended as a job thread's would: refused input fails, the rest retries
+            failure = error if isinstance(error, Exception) else RuntimeError(repr(error))
+            self._end_on_pool(job, chunk, self.pipeline.end_failed, job, failure)
             return
         result = future.result()
         job_result = jobs.JobResult(None, result.text, result.finish_reason, result.prompt_tokens,
@@ -204,7 +199,8 @@ class ChunkRunner:
         threads."""
         def run() -> None:
             try:
-                outcome: Outcome | Exception = work(*args)
+                with log_fields(job_id=job.id):
+                    outcome: Outcome | Exception = work(*args)
             except Exception as exc:
                 outcome = exc
             self._end(job, chunk, outcome)

@@ -140,29 +140,11 @@ class JobPipeline:
 
     def _run_claimed(self, job: ClaimedJob, fetched: Mapping[ImageRef, bytes]) -> Outcome:
         try:
-            if self.prepare_pool is not None and has_images(job.request):
-                with self.clock.stage("prepare"):
-                    prepared = self.prepare_pool.prepare(job.id, job.request, job.priority, job.tenant, fetched)
-            else:
-                with ExitStack() as decoded:
-                    with self.clock.stage("inputs"):
-                        images = fetch_images(job.request, self.settings,
-                                              lambda ref: fetched.get(ref) or self.read_image(ref))
-                        decoded.enter_context(self.pixels.hold(images.pixels))  # until the inputs are prepared
-                        request = generation_request(job.id, job.request, job.priority, self.settings, images,
-                                                     job.tenant)
-                    with self.clock.stage("prepare"):
-                        prepared = self.generator.prepare(request)
-                    del request, images
+            prepared = self.prepare(job, fetched)
             with self.clock.stage("engine"):
                 result = self.generator.submit(prepared).result()
-        except (InputError, ImageError) as exc:
-            return self.fail(job, "invalid_input", str(exc))
-        except ObjectNotFound as exc:
-            return self.fail(job, "image_missing", f"image object {exc.args[0]} is missing from storage")
         except Exception as exc:
-            log.exception("job %s failed on attempt %d", job.id, job.attempts)
-            return self.release(job, "worker_error", f"{type(exc).__name__}: {exc}")
+            return self.end_failed(job, exc)
 
         # A single REST job's response is an object of its own; a batch row's result is the row itself (the
         # output file and GET /v1/jobs/{id}/result are rendered from it), so a row costs no object write.
@@ -181,6 +163,30 @@ class JobPipeline:
                 log.exception("job %s could not be persisted", job.id)
                 return self.release(job, "persist_error", f"{type(exc).__name__}: {exc}")
         return self.finish(job, job_result)
+
+    def prepare(self, job: ClaimedJob, fetched: Mapping[ImageRef, bytes]) -> Any:
+        """The job's input for the generator: its images read (`fetched` first) and decoded, its prompt
+        templated and tokenised, in this thread or, for an image job with a prepare pool, in that pool."""
+        if self.prepare_pool is not None and has_images(job.request):
+            with self.clock.stage("prepare"):
+                return self.prepare_pool.prepare(job.id, job.request, job.priority, job.tenant, fetched)
+        with ExitStack() as decoded:
+            with self.clock.stage("inputs"):
+                images = fetch_images(job.request, self.settings, lambda ref: fetched.get(ref) or self.read_image(ref))
+                decoded.enter_context(self.pixels.hold(images.pixels))  # until the inputs are prepared
+                request = generation_request(job.id, job.request, job.priority, self.settings, images, job.tenant)
+            with self.clock.stage("prepare"):
+                return self.generator.prepare(request)
+
+    def end_failed(self, job: ClaimedJob, exc: Exception) -> Outcome:
+        """End a claimed job whose input or generation raised `exc`: refused input fails it for good, anything
+        else hands it back to the queue for another attempt."""
+        if isinstance(exc, InputError | ImageError):
+            return self.fail(job, "invalid_input", str(exc))
+        if isinstance(exc, ObjectNotFound):
+            return self.fail(job, "image_missing", f"image object {exc.args[0]} is missing from storage")
+        log.error("job %s failed on attempt %d", job.id, job.attempts, exc_info=exc)
+        return self.release(job, "worker_error", f"{type(exc).__name__}: {exc}")
 
     def finish(self, job: ClaimedJob, job_result: jobs.JobResult) -> Outcome:
         """Record a claimed job's result (its object, if any, already stored), retrying SQL trouble for a while

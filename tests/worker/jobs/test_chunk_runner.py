@@ -247,6 +247,7 @@ def test_a_chunks_packed_images_are_read_with_one_request(local: tuple[Settings,
     assert ranges == [(parts[0]["pack"], 0, sum(len(p) for p in pictures))]  # one request for the chunk
     assert [s[1] for s in _statuses(db, rows).values()] == ["0 kool", "1 kool", "2 kool"]
     assert sorted(model.image_sizes) == [(8, 6), (9, 6), (10, 6)]  # each row decoded its own picture
+    assert model.prepare_threads == {threading.current_thread().name}  # on the message's thread, no job thread
 
 
 def test_a_row_whose_image_is_not_where_it_says_fails_alone(local: tuple[Settings, Database, ObjectStore]) -> None:

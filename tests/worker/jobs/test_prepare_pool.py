@@ -3,6 +3,7 @@ thread would, refuse the same inputs with the same errors, and outlive a process
 
 from __future__ import annotations
 
+import hashlib
 import io
 import multiprocessing
 import os
@@ -20,6 +21,7 @@ import torch
 from PIL import Image
 
 from common.images.decode import ImageError
+from common.images.pack import PackedImage
 from common.infra.settings import Settings
 from common.infra.storage import LocalObjectStore, ObjectNotFound, image_key
 from worker.engine.families import get_family
@@ -27,7 +29,7 @@ from worker.engine.model_runner import PreparedInput, prepare_input
 from worker.inference.batcher import BatchingGenerator
 from worker.inference.generation import InputError
 from worker.inference.model_loader import load_model
-from worker.jobs.image_reader import ImageReader
+from worker.jobs.image_reader import ImageReader, ImageRef
 from worker.jobs.prepare_pool import PreparePool
 from worker.jobs.request import fetch_images, generation_request
 
@@ -185,3 +187,16 @@ def _alive(pid: int) -> bool:
             return f.read().split(") ", 1)[1][0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_images_read_for_the_chunk_travel_to_the_pool(pool: PreparePool, settings: Settings) -> None:
+    """A chunk's packed images, read once by the chunk runner, go along to the pool process: nothing is read
+    from storage there (this picture is in no store at all)."""
+    picture = _image((40, 30), (90, 200, 40), "PNG")
+    sha = hashlib.sha256(picture).hexdigest()
+    part = {"type": "image", "image_id": sha, "pack": "packs/nowhere", "offset": 0, "size": len(picture)}
+    request = _request(part, {"type": "text", "text": "what colour?"})
+    got = pool.prepare("job-4", request, 0, "acme", {ImageRef(sha, PackedImage.of_part(part)): picture})
+    assert len(got.image_inputs) == 1
+    with pytest.raises(ObjectNotFound):  # without them, the process reads the pack, which is not there
+        pool.prepare("job-5", request, 0, "acme")
