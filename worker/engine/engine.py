@@ -1,4 +1,8 @@
-"""The engine: schedule -> run -> postprocess, one step at a time. Glue only; no Celery, HTTP or SQL."""
+"""The engine: schedule -> run -> postprocess, one step at a time. Glue only; no Celery, HTTP or SQL.
+
+The runner hears of requests only through each step's SchedulerOutput: a request added here reaches it with
+its first schedule, and one that finishes or is aborted, with the next schedule's `finished_ids`.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from worker.engine.core.request import Request, RequestStatus
 from worker.engine.core.scheduler import Scheduler
 from worker.engine.families import attention_window
 from worker.engine.model_runner import ModelRunner, PreparedInput, num_kv_blocks_for
+from worker.engine.request_state import PromptTensors
 from worker.inference.generation import GenerationRequest, GenerationResult, cut_at_stop_strings
 from worker.inference.model_loader import LoadedModel
 
@@ -49,7 +54,7 @@ class Engine:
         self.block_manager = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.encoder_cache = EncoderCache(self.config.encoder_cache_tokens)
         self.scheduler = Scheduler(self.config, self.block_manager, self.encoder_cache)
-        self.runner = ModelRunner(loaded, self.config, num_blocks, self.encoder_cache)
+        self.runner = ModelRunner(loaded, self.config, num_blocks)
         # Its own tokenizer copy: the caller's threads use the processor's one in prepare().
         self._decoder = copy.deepcopy(loaded.tokenizer)
         self._eos = frozenset(loaded.eos_token_ids)
@@ -71,13 +76,19 @@ class Engine:
             eos_token_ids=self._eos,
             max_model_len=self.max_model_len,
             cache_salt=req.cache_salt,
+            model_inputs=PromptTensors(prepared.image_inputs, prepared.mrope_positions, prepared.mrope_delta),
         ))
-        self.runner.add(prepared)
 
     def abort(self, request_id: str) -> bool:
         aborted = self.scheduler.abort(request_id)
-        self.runner.remove(request_id)
+        self._flush_if_idle()
         return aborted
+
+    def _flush_if_idle(self) -> None:
+        """Nothing steps an idle engine, so tell the runner now of the requests that ended, rather than let it
+        hold their tensors until the next request arrives (vLLM steps once more for the same reason)."""
+        if not self.scheduler.has_unfinished() and self.scheduler.has_finished():
+            self.runner.execute(self.scheduler.schedule())
 
     def metrics(self) -> dict[str, float]:
         """Counters for dashboards (Prometheus in the worker): load, KV use, caches, vision batches, speed."""
@@ -117,25 +128,23 @@ class Engine:
         self.stats.num_steps += 1
         self.stats.num_generated_tokens += len(sampled)
         self.stats.num_prompt_tokens_computed += sum(s.num_tokens for s in out.scheduled if not s.samples)
+        stopped: list[Request] = []  # by a stop string, in batch order
         for s in out.scheduled:
-            req = s.request
-            token = sampled.get(req.request_id)
-            if token is not None and req.sampling.stop and token not in self._eos:
+            token = sampled.get(s.request_id)
+            req = self.scheduler.get(s.request_id)
+            if token is not None and req is not None and req.sampling.stop and token not in self._eos:
                 hit = self._stop_string_hit(req, token)
                 if hit is not None:
                     req.stop_reason = hit
+                    stopped.append(req)
         finished = self.scheduler.update(out, sampled)
-        for s in out.scheduled:
-            req = s.request
-            if req.stop_reason is not None and not req.status.finished:
+        for req in stopped:
+            if not req.status.finished:
                 self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED, req.stop_reason)
                 finished.append(req)
-        results = []
-        for req in finished:
-            self.runner.remove(req.request_id)
-            if req.status != RequestStatus.FINISHED_ABORTED:
-                results.append(self._result(req))
+        results = [self._result(req) for req in finished if req.status != RequestStatus.FINISHED_ABORTED]
         self.stats.num_finished += len(results)
+        self._flush_if_idle()
         return results
 
     def _stop_string_hit(self, req: Request, token: int) -> str | None:

@@ -1,7 +1,9 @@
 """All the torch of the engine: KV pool, vision batches, one packed forward per step, sampling.
 
-The runner turns a `SchedulerOutput` into sampled tokens. It holds per-request tensors (image inputs, M-RoPE
-positions) from `prepare` until the request finishes, and the image embeddings the encoder cache keeps.
+The runner turns a `SchedulerOutput`, its whole input, into sampled tokens. It keeps its own state per request
+(token ids, block table, image inputs, M-RoPE positions, sampling) from the request's first schedule until the
+output names it finished, and the image embeddings by content hash until the output names them freed: the
+scheduler's encoder cache only counts them.
 """
 
 from __future__ import annotations
@@ -15,10 +17,10 @@ import torch
 from worker.engine import vision_batches
 from worker.engine.attention import ATTN_IMPLEMENTATION, build_metadata
 from worker.engine.core.config import EngineConfig
-from worker.engine.core.encoder_cache import EncoderCache
-from worker.engine.core.request import ImageItem
+from worker.engine.core.request import ImageItem, images_in
 from worker.engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from worker.engine.families import HFModule, ModelFamily, get_family
+from worker.engine.request_state import RequestState
 from worker.engine.sampler import Sampler
 from worker.inference.generation import GenerationRequest, InputError
 from worker.inference.model_loader import LoadedModel
@@ -96,14 +98,12 @@ def num_kv_blocks_for(model: HFModule, config: EngineConfig, device: torch.devic
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig, num_blocks: int,
-                 encoder_cache: EncoderCache) -> None:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, num_blocks: int) -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.config = config
         self.device = loaded.device
         self.family: ModelFamily = get_family(self.model)
-        self.encoder_cache = encoder_cache
         self._switch_text_attention()
         self.language_model = self.family.language_model(self.model)
         compiled: list[torch.nn.Module] = []
@@ -140,7 +140,8 @@ class ModelRunner:
             from worker.engine import cpu_kernels
 
             self.decode_kernel = cpu_kernels.paged_decode_attention()
-        self.inputs: dict[str, PreparedInput] = {}
+        self.requests: dict[str, RequestState] = {}
+        self.embeddings: dict[str, torch.Tensor] = {}  # by content hash: the hashes the encoder cache counts
         # Vision on its own CUDA stream, overlapping the forward of requests that do not wait for it. Off on CPU,
         # where there is nothing to overlap with; `overlap_vision=True` there still exercises the split path.
         on_cuda = self.device.type == "cuda"
@@ -169,15 +170,32 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ engine thread
 
-    def add(self, prepared: PreparedInput) -> None:
-        self.inputs[prepared.request.request_id] = prepared
-
-    def remove(self, request_id: str) -> None:
-        self.inputs.pop(request_id, None)
-        self.sampler.forget(request_id)
+    def _update_states(self, out: SchedulerOutput) -> None:
+        """Bring the runner's own state up to date; the order matters (see scheduler_output.py)."""
+        for request_id in out.finished_ids:
+            self.requests.pop(request_id, None)
+            self.sampler.forget(request_id)
+        for content_hash in out.freed_encoder_hashes:
+            self.embeddings.pop(content_hash, None)
+        for request_id in out.preempted_ids:
+            self.requests[request_id].block_ids.clear()  # freed; admitted again, it gets a whole new table
+        for new in out.new_requests:
+            self.sampler.forget(new.request_id)  # a retry under a reused id starts from its seed again
+            self.requests[new.request_id] = RequestState.of(new)
+        for s in out.scheduled:
+            if s.new_block_ids:
+                self.requests[s.request_id].block_ids.extend(s.new_block_ids)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, int]:
+        self._update_states(out)
+        sampled = self._run(out)
+        # Only once the whole step ran: a step that raises leaves no token the scheduler never saw.
+        for request_id, token in sampled.items():
+            self.requests[request_id].token_ids.append(token)
+        return sampled
+
+    def _run(self, out: SchedulerOutput) -> dict[str, int]:
         if not out.encoder_inputs:
             return self._forward(out.scheduled)
         if not self.overlap_vision:
@@ -186,8 +204,9 @@ class ModelRunner:
         # Overlap: the vision batch runs on its own stream while requests that need none of this step's new
         # images (decodes, text and cached-image chunks) run their forward; the rest follow once it is done.
         new_hashes = {e.content_hash for e in out.encoder_inputs}
-        waiting = [s for s in out.scheduled
-                   if any(im.content_hash in new_hashes for im in s.request.images_in(s.start, s.start + s.num_tokens))]
+        waiting = [s for s in out.scheduled if any(
+            im.content_hash in new_hashes
+            for im in images_in(self.requests[s.request_id].images, s.start, s.start + s.num_tokens))]
         ready = [s for s in out.scheduled if s not in waiting]
         done = self._encode(out, stream=self.vision_stream)
         sampled = self._forward(ready)
@@ -200,22 +219,20 @@ class ModelRunner:
         """One packed forward over `scheduled`; returns the tokens sampled for those that sample."""
         if not scheduled:
             return {}
+        states = [self.requests[s.request_id] for s in scheduled]
         token_ids: list[int] = []
         spans: list[tuple[torch.Tensor | None, int, int, int]] = []
         seqs: list[tuple[list[int], int, int]] = []
-        for s in scheduled:
-            req = s.request
-            token_ids.extend(req.all_token_ids[s.start : s.start + s.num_tokens])
-            prepared = self.inputs[req.request_id]
-            spans.append((prepared.mrope_positions, prepared.mrope_delta, s.start, s.num_tokens))
-            seqs.append((req.block_ids, s.start, s.num_tokens))
+        for s, state in zip(scheduled, states, strict=True):
+            token_ids.extend(state.token_ids[s.start : s.start + s.num_tokens])
+            spans.append((state.tensors.mrope_positions, state.tensors.mrope_delta, s.start, s.num_tokens))
+            seqs.append((state.block_ids, s.start, s.num_tokens))
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         embeds = self.embed_tokens(ids)
         offset = 0
-        for s in scheduled:
-            for image in s.request.images_in(s.start, s.start + s.num_tokens):
-                rows = self.encoder_cache.get(image.content_hash)
-                assert isinstance(rows, torch.Tensor)  # the cache holds what encode_images gave this runner
+        for s, state in zip(scheduled, states, strict=True):
+            for image in images_in(state.images, s.start, s.start + s.num_tokens):
+                rows = self.embeddings[image.content_hash]
                 first = offset + image.offset - s.start
                 embeds[first : first + image.num_tokens] = rows.to(embeds.dtype)
             offset += s.num_tokens
@@ -225,19 +242,19 @@ class ModelRunner:
             inputs_embeds=embeds.unsqueeze(0), position_ids=position_ids.to(self.device), attention_mask=None,
             use_cache=False, attn_metadata=meta,
         ).last_hidden_state[0]
-        sampling = [(s, offset_end - 1) for s, offset_end in zip(scheduled, _cumsum(seqs), strict=True)
-                    if s.samples]
+        sampling = [(s.request_id, state.sampling, offset_end - 1)
+                    for s, state, offset_end in zip(scheduled, states, _cumsum(seqs), strict=True) if s.samples]
         if not sampling:
             return {}
-        rows = torch.tensor([row for _, row in sampling], device=self.device)
+        rows = torch.tensor([row for _, _, row in sampling], device=self.device)
         logits = self.lm_head(hidden[rows]).float()
-        request_ids = [s.request.request_id for s, _ in sampling]
-        tokens = self.sampler.sample(logits, request_ids, [s.request.sampling for s, _ in sampling])
+        request_ids = [request_id for request_id, _, _ in sampling]
+        tokens = self.sampler.sample(logits, request_ids, [params for _, params, _ in sampling])
         return dict(zip(request_ids, tokens, strict=True))
 
     def _encode(self, out: SchedulerOutput, stream: torch.cuda.Stream | None = None) -> torch.cuda.Event | None:
         """Run this step's vision batch; on a CUDA side stream, returns the event that marks its end."""
-        inputs = [self.inputs[e.request.request_id].image_inputs[e.image_index] for e in out.encoder_inputs]
+        inputs = [self.requests[e.request_id].tensors.image_inputs[e.image_index] for e in out.encoder_inputs]
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(self.device))  # its inputs were written on the main one
             with torch.cuda.stream(stream):
@@ -253,7 +270,7 @@ class ModelRunner:
         self.num_vision_images += len(inputs)
         vision_batches.record(self.vision_batch_sizes, (len(inputs),))
         for e, emb in zip(out.encoder_inputs, embeddings, strict=True):
-            self.encoder_cache.put(e.content_hash, emb)
+            self.embeddings[e.content_hash] = emb
         return done
 
 

@@ -271,7 +271,7 @@ def test_request_ids_can_be_reused_after_they_finish(tiny_llava_path: Path) -> N
     first = [r.token_ids for r in engine.generate(requests)]
     second = [r.token_ids for r in engine.generate(requests)]  # a retried job comes back under its id
     assert first == second
-    assert engine.block_manager.num_used_blocks == 0 and not engine.runner.inputs
+    assert engine.block_manager.num_used_blocks == 0 and not engine.runner.requests
 
 
 def _with_text_config(source: Path, target: Path, **changes: object) -> Path:

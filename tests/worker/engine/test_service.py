@@ -68,7 +68,7 @@ def test_a_poison_request_fails_alone_and_its_batch_mates_finish_unchanged(tiny_
     execute = engine.runner.execute
 
     def faulty_execute(out):
-        if any(s.request.request_id == poison for s in out.scheduled):
+        if any(s.request_id == poison for s in out.scheduled):
             raise FloatingPointError("a kernel fault on this input")
         return execute(out)
 

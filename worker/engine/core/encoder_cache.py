@@ -1,8 +1,10 @@
 """Bookkeeping for image embeddings keyed by content hash: ref-counted by request, LRU-evicted. No torch.
 
-Sizes are counted in embedding rows (= LM positions an image fills). Each entry holds an opaque value the model
-runner stores (a tensor); this module never looks inside it. An entry exists from `allocate` (space reserved,
-the image is being encoded this step) until it is evicted; `put` fills in its value.
+Sizes are counted in embedding rows (= LM positions an image fills). The embeddings themselves are the model
+runner's; this module only says which hashes the runner holds. An entry exists from `allocate` (space
+reserved, the image is being encoded this step) until it is evicted; `mark_encoded` records that its step
+ran. Every hash that leaves the cache is also queued for `take_freed`, which the scheduler passes on to the
+runner so that it deletes the embedding too.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from dataclasses import dataclass, field
 @dataclass
 class _Entry:
     num_tokens: int
-    value: object | None = None
+    encoded: bool = False  # its step ran, so the runner holds its embedding
     request_ids: set[str] = field(default_factory=set)
 
 
@@ -25,6 +27,7 @@ class EncoderCache:
         self.capacity_tokens = capacity_tokens
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
         self._requests: dict[str, set[str]] = {}  # request id -> hashes it references
+        self._freed: list[str] = []  # hashes dropped since the last take_freed()
         self.num_used_tokens = 0
         self.num_hits = 0
         self.num_misses = 0
@@ -36,12 +39,9 @@ class EncoderCache:
     def contains(self, content_hash: str) -> bool:
         return content_hash in self._entries
 
-    def get(self, content_hash: str) -> object:
-        entry = self._entries[content_hash]
-        if entry.value is None:
-            raise KeyError(f"embedding {content_hash} is reserved but not stored yet")
-        self._entries.move_to_end(content_hash)
-        return entry.value
+    def is_encoded(self, content_hash: str) -> bool:
+        entry = self._entries.get(content_hash)
+        return entry is not None and entry.encoded
 
     def num_refs(self, content_hash: str) -> int:
         entry = self._entries.get(content_hash)
@@ -72,15 +72,25 @@ class EncoderCache:
         self.num_used_tokens += num_tokens
         self.num_misses += 1
         self.num_evictions += len(evicted)
+        self._freed.extend(evicted)
         return evicted
 
-    def put(self, content_hash: str, value: object) -> None:
-        self._entries[content_hash].value = value
+    def mark_encoded(self, content_hash: str) -> None:
+        """The step that encoded this image ran: the runner holds its embedding. A no-op for an entry that is
+        gone (its request was aborted while the step ran; the hash is already queued as freed)."""
+        entry = self._entries.get(content_hash)
+        if entry is not None:
+            entry.encoded = True
+
+    def take_freed(self) -> list[str]:
+        """Hashes that left the cache since the last call: the runner must delete their embeddings."""
+        freed, self._freed = self._freed, []
+        return freed
 
     def add_ref(self, content_hash: str, request_id: str) -> None:
         entry = self._entries[content_hash]
         # A hit unless this is the first reference to an entry reserved this step (that request caused the miss).
-        if entry.value is not None or entry.request_ids:
+        if entry.encoded or entry.request_ids:
             self.num_hits += 1
         entry.request_ids.add(request_id)
         self._requests.setdefault(request_id, set()).add(content_hash)
@@ -91,11 +101,12 @@ class EncoderCache:
         entry = self._entries.get(content_hash)
         if entry is not None:
             entry.request_ids.discard(request_id)
-            if entry.value is None and not entry.request_ids:
-                # Reserved but never stored (its step failed, or its request was aborted first): nothing to
-                # find here, and a later request must encode the image rather than wait for this value.
+            if not entry.encoded and not entry.request_ids:
+                # Reserved but its step never finished (it failed, or its request was aborted first): a later
+                # request must encode the image again, and whatever the runner may have stored is stale.
                 del self._entries[content_hash]
                 self.num_used_tokens -= entry.num_tokens
+                self._freed.append(content_hash)
         hashes = self._requests.get(request_id)
         if hashes is not None:
             hashes.discard(content_hash)

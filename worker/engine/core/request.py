@@ -37,6 +37,11 @@ class ImageItem:
         return self.offset + self.num_tokens
 
 
+def images_in(images: list[ImageItem], start: int, end: int) -> list[ImageItem]:
+    """Those of `images` whose placeholder run overlaps positions [start, end)."""
+    return [im for im in images if im.offset < end and im.end > start]
+
+
 @dataclass(eq=False)
 class Request:
     request_id: str
@@ -47,6 +52,9 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     max_model_len: int | None = None  # prompt + output never exceed this
     cache_salt: str = ""  # prefix-cache blocks are shared only between requests of the same salt
+    # The runner's tensors for this prompt (see NewRequestData.model_inputs), held only until the request's
+    # first schedule hands them to the runner.
+    model_inputs: object = None
     arrival: int = field(default_factory=lambda: next(_arrival))
 
     status: RequestStatus = RequestStatus.WAITING
@@ -78,7 +86,7 @@ class Request:
 
     def images_in(self, start: int, end: int) -> list[ImageItem]:
         """Images whose placeholder run overlaps positions [start, end)."""
-        return [im for im in self.images if im.offset < end and im.end > start]
+        return images_in(self.images, start, end)
 
     def __hash__(self) -> int:
         return hash(self.request_id)

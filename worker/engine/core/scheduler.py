@@ -26,7 +26,7 @@ from worker.engine.core.block_manager import BlockManager
 from worker.engine.core.config import EngineConfig
 from worker.engine.core.encoder_cache import EncoderCache
 from worker.engine.core.request import Request, RequestStatus
-from worker.engine.core.scheduler_output import EncoderInput, ScheduledRequest, SchedulerOutput
+from worker.engine.core.scheduler_output import EncoderInput, NewRequestData, ScheduledRequest, SchedulerOutput
 from worker.inference.generation import InputError
 
 
@@ -61,6 +61,14 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def has_finished(self) -> bool:
+        """Requests ended since the last schedule(), which the runner has not been told of yet."""
+        return bool(self._finished_ids)
+
+    def get(self, request_id: str) -> Request | None:
+        """The unfinished request with this id."""
+        return self._requests.get(request_id)
 
     def add_request(self, req: Request) -> None:
         """Queue req; raises InputError when it could never run (see the module docstring)."""
@@ -112,8 +120,9 @@ class Scheduler:
         step = _Step(SchedulerOutput(finished_ids=self._finished_ids), self.config.max_num_batched_tokens)
         self._finished_ids = []
         self._schedule_running(step)
-        if not step.output.preempted:
+        if not step.output.preempted_ids:
             self._admit_waiting(step)
+        step.output.freed_encoder_hashes = self.encoder_cache.take_freed()
         return step.output
 
     def _schedule_running(self, step: _Step) -> None:
@@ -135,8 +144,9 @@ class Scheduler:
             # Blocks are ensured for num_new; a chunk shortened at an image needs no more than that.
             num_new = self._reserve_chunk(req, req.num_computed_tokens, num_new, step)
             if num_new > 0:
+                num_old_blocks = len(req.block_ids)
                 bm.append(req, num_new)
-                self._add_scheduled(req, num_new, step)
+                self._add_scheduled(req, num_new, step, req.block_ids[num_old_blocks:])
             i += 1
 
     def _admit_waiting(self, step: _Step) -> None:
@@ -157,16 +167,21 @@ class Scheduler:
             bm.allocate(req)  # takes the same prefix hit: nothing touched the block pool since cached_prefix_tokens
             req.status = RequestStatus.RUNNING
             bisect.insort(self.running, req, key=self._running_key)
-            self._add_scheduled(req, num_new, step)
+            if req.num_preemptions == 0:  # its first admission (a preempted one was admitted before)
+                step.output.new_requests.append(NewRequestData(
+                    req.request_id, req.prompt_token_ids, req.sampling, req.images, req.model_inputs))
+                req.model_inputs = None  # the runner's from now on
+            self._add_scheduled(req, num_new, step, list(req.block_ids))
 
     def _finish_outgrown(self, req: Request) -> None:
         """Its prompt + output no longer fit the whole KV pool: like running out of context."""
         self.finish(req, RequestStatus.FINISHED_LENGTH)
         self._outgrown.append(req)
 
-    def _add_scheduled(self, req: Request, num_new: int, step: _Step) -> None:
+    def _add_scheduled(self, req: Request, num_new: int, step: _Step, new_block_ids: list[int]) -> None:
         start = req.num_computed_tokens
-        step.output.scheduled.append(ScheduledRequest(req, start, num_new, samples=start + num_new == req.num_tokens))
+        step.output.scheduled.append(ScheduledRequest(
+            req.request_id, start, num_new, samples=start + num_new == req.num_tokens, new_block_ids=new_block_ids))
         step.token_budget -= num_new
 
     def _reserve_chunk(self, req: Request, start: int, max_tokens: int, step: _Step) -> int:
@@ -199,8 +214,8 @@ class Scheduler:
             if (step.num_encoder_items >= self.config.max_encoder_items_per_step
                     or not cache.can_allocate(image.num_tokens)):
                 return False
-            step.output.evicted_hashes.extend(cache.allocate(image.content_hash, image.num_tokens))
-            step.output.encoder_inputs.append(EncoderInput(req, image_index, image.content_hash))
+            cache.allocate(image.content_hash, image.num_tokens)  # evicted hashes go out with take_freed()
+            step.output.encoder_inputs.append(EncoderInput(req.request_id, image_index, image.content_hash))
             step.num_encoder_items += 1
         cache.add_ref(image.content_hash, req.request_id)
         return True
@@ -216,7 +231,7 @@ class Scheduler:
         self._num_front_ranks += 1
         self._front_rank[req.request_id] = -self._num_front_ranks  # later preemptions go further ahead
         bisect.insort(self.waiting, req, key=self._waiting_key)
-        step.output.preempted.append(req)
+        step.output.preempted_ids.append(req.request_id)
 
     def _waiting_key(self, req: Request) -> tuple[int, int, int]:
         return -req.priority, self._front_rank.get(req.request_id, 0), req.arrival
@@ -231,9 +246,12 @@ class Scheduler:
         """Advance the requests the runner just computed; returns those that finished in this step (including any
         that schedule() ended for outgrowing the KV pool). Stop strings are the engine's: it calls finish()."""
         finished, self._outgrown = self._outgrown, []
+        # First, or dropping the last reference to an image encoded this step would take it for a failed one.
+        for encoded in output.encoder_inputs:
+            self.encoder_cache.mark_encoded(encoded.content_hash)
         for scheduled in output.scheduled:
-            req = scheduled.request
-            if req.status != RequestStatus.RUNNING:  # aborted while the step ran
+            req = self._requests.get(scheduled.request_id)
+            if req is None or req.status != RequestStatus.RUNNING:  # aborted while the step ran
                 continue
             req.num_computed_tokens += scheduled.num_tokens
             # The images of this chunk are in the KV cache now; their embeddings may be evicted.

@@ -1,9 +1,11 @@
 """Scheduler: budgets, chunked prefill, images, priorities, preemption, aborts; a randomized simulation.
 
-A small harness plays the model runner: it stores a fake embedding for every EncoderInput, writes a fake KV entry
-(position, token id, image and row) into each computed slot, and before each step checks that every position the
-step treats as already computed holds exactly the entry this request would have written, so prefix-cache reuse
-and preemption are checked end to end.
+A small harness plays the model runner from the SchedulerOutput alone, as the real one must: it keeps its own
+token ids, block table and images per request and its own set of encoded hashes, stores a fake embedding for
+every EncoderInput, writes a fake KV entry (position, token id, image and row) into each computed slot, and
+before each step checks that its state equals the scheduler's and that every position the step treats as
+already computed holds exactly the entry this request would have written, so prefix-cache reuse, preemption
+and the contract itself are checked end to end.
 """
 
 from __future__ import annotations
@@ -40,6 +42,10 @@ class Harness:
         self.sched = Scheduler(self.config, self.bm, self.cache)
         self.kv: dict[tuple[int, int], tuple[int, int, tuple[str, int] | None]] = {}
         self.finished: list[Request] = []
+        # The runner's side: what it knows of each request, and the hashes whose embeddings it holds.
+        self.tokens: dict[str, list[int]] = {}
+        self.tables: dict[str, list[int]] = {}
+        self.embeddings: set[str] = set()
 
     def add(self, *reqs: Request) -> None:
         for req in reqs:
@@ -47,16 +53,41 @@ class Harness:
 
     def step(self, token: Callable[[Request], int] = next_token) -> SchedulerOutput:
         out = self.sched.schedule()
+        self.follow(out)
         self.check(out)
         for e in out.encoder_inputs:
-            self.cache.put(e.content_hash, f"emb:{e.content_hash}")
+            assert e.content_hash not in self.embeddings, "an image encoded twice"
+            self.embeddings.add(e.content_hash)
         for s in out.scheduled:
+            req = self.request(s.request_id)
             for pos in range(s.start, s.start + s.num_tokens):
-                self.kv[self.slot(s.request, pos)] = self.expected_kv(s.request, pos)
-        sampled = {s.request.request_id: token(s.request) for s in out.scheduled if s.samples}
+                self.kv[self.slot(req, pos)] = self.expected_kv(req, pos)
+        sampled = {s.request_id: token(self.request(s.request_id)) for s in out.scheduled if s.samples}
+        for request_id, token_id in sampled.items():
+            self.tokens[request_id].append(token_id)
         self.finished += self.sched.update(out, sampled)
         self.check_blocks()
         return out
+
+    def follow(self, out: SchedulerOutput) -> None:
+        """What the model runner does with the output before computing anything."""
+        for request_id in out.finished_ids:
+            self.tokens.pop(request_id, None)
+            self.tables.pop(request_id, None)
+        self.embeddings.difference_update(out.freed_encoder_hashes)
+        for request_id in out.preempted_ids:
+            self.tables[request_id].clear()
+        for new in out.new_requests:
+            assert new.request_id not in self.tokens, "a request handed to the runner twice"
+            self.tokens[new.request_id] = list(new.prompt_token_ids)
+            self.tables[new.request_id] = []
+        for s in out.scheduled:
+            self.tables[s.request_id].extend(s.new_block_ids)
+
+    def request(self, request_id: str) -> Request:
+        req = self.sched.get(request_id)
+        assert req is not None, f"{request_id} is scheduled but not unfinished"
+        return req
 
     def run(self, max_steps: int = 1000) -> list[SchedulerOutput]:
         outputs: list[SchedulerOutput] = []
@@ -77,25 +108,29 @@ class Harness:
         cfg = self.config
         over_budget_image = len(out.scheduled) == 1 and any(
             im.offset == out.scheduled[0].start and im.num_tokens == out.scheduled[0].num_tokens
-            for im in out.scheduled[0].request.images)
+            for im in self.request(out.scheduled[0].request_id).images)
         assert out.num_batched_tokens <= cfg.max_num_batched_tokens or over_budget_image
         assert self.sched.num_running <= cfg.max_num_seqs
         hashes = [e.content_hash for e in out.encoder_inputs]
         assert len(hashes) == len(set(hashes)) <= cfg.max_encoder_items_per_step
-        assert len({s.request.request_id for s in out.scheduled}) == len(out.scheduled)
+        assert len({s.request_id for s in out.scheduled}) == len(out.scheduled)
         for s in out.scheduled:
-            req, end = s.request, s.start + s.num_tokens
+            req, end = self.request(s.request_id), s.start + s.num_tokens
             assert req.status == RequestStatus.RUNNING and s.start == req.num_computed_tokens
+            # The runner's own copy, built from outputs alone, is the scheduler's.
+            assert self.tokens[s.request_id] == req.all_token_ids and self.tables[s.request_id] == req.block_ids
             assert s.num_tokens >= 1 and end <= req.num_tokens and s.samples == (end == req.num_tokens)
             assert len(req.block_ids) * self.bm.block_size >= end
             for im in req.images_in(s.start, end):
                 assert s.start <= im.offset and im.end <= end, "a chunk split an image"
                 assert self.cache.num_refs(im.content_hash) >= 1
+                assert im.content_hash in self.embeddings or im.content_hash in hashes, "no embedding for an image"
             for pos in range(s.start):
                 assert self.kv.get(self.slot(req, pos)) == self.expected_kv(req, pos), "reused KV is wrong"
             for pos in range(s.start, end):
                 assert self.bm.blocks[req.block_ids[pos // self.bm.block_size]].ref_count == 1, "shared block written"
-        for req in out.preempted:
+        for request_id in out.preempted_ids:
+            req = self.request(request_id)
             assert req.status == RequestStatus.WAITING and req.block_ids == [] and req.num_computed_tokens == 0
 
     def check_blocks(self) -> None:
@@ -114,7 +149,7 @@ class Harness:
 
 
 def batch(out: SchedulerOutput) -> list[tuple[str, int, int, bool]]:
-    return [(s.request.request_id, s.start, s.num_tokens, s.samples) for s in out.scheduled]
+    return [(s.request_id, s.start, s.num_tokens, s.samples) for s in out.scheduled]
 
 
 def test_decodes_and_prefill_chunks_share_the_token_budget() -> None:
@@ -174,7 +209,7 @@ def test_encoder_cache_space_pushes_images_to_later_steps() -> None:
     h.add(make_request("r", num_tokens=20, images=(("i0", 0, 4), ("i1", 8, 4)), max_tokens=1))
     outputs = h.run()
     assert [batch(o) for o in outputs] == [[("r", 0, 8, False)], [("r", 8, 12, True)]]
-    assert [o.evicted_hashes for o in outputs] == [[], ["i0"]]
+    assert [o.freed_encoder_hashes for o in outputs] == [[], ["i0"]]
     assert h.cache.num_evictions == 1
 
 
@@ -183,7 +218,7 @@ def test_one_encoder_input_per_distinct_image_per_step() -> None:
     h.add(make_request("a", num_tokens=8, images=(("cat", 0, 4),), max_tokens=1),
           make_request("b", [200 + i for i in range(10)], images=(("cat", 2, 4), ("dog", 6, 2)), max_tokens=1))
     out = h.step()
-    assert [(e.request.request_id, e.image_index, e.content_hash) for e in out.encoder_inputs] == [
+    assert [(e.request_id, e.image_index, e.content_hash) for e in out.encoder_inputs] == [
         ("a", 0, "cat"), ("b", 1, "dog")]
     assert (h.cache.num_misses, h.cache.num_hits) == (2, 1)
     h.add(make_request("c", [300 + i for i in range(6)], images=(("cat", 1, 4),), max_tokens=1))
@@ -231,7 +266,7 @@ def test_preemption_evicts_lowest_priority_newest_and_recomputes_it() -> None:
           make_request("b", [300 + i for i in range(8)], max_tokens=8, priority=1),
           make_request("c", [400 + i for i in range(4)], max_tokens=8, priority=0))
     outputs = h.run()
-    preempted = [[r.request_id for r in o.preempted] for o in outputs]
+    preempted = [o.preempted_ids for o in outputs]
     assert preempted[1] == ["c"]  # out of blocks: the lowest priority goes first
     assert [p for p in preempted if p] == [["c"], ["b"]]  # then the newer of the two priority-1 requests
     assert h.sched.num_preemptions == 2
@@ -252,7 +287,7 @@ def test_a_preempted_request_goes_to_the_front_of_its_priority_class() -> None:
     h.step()  # 3 of 4 blocks used
     h.add(older)
     out = h.step()  # "a" takes the last block; "b" needs one more and is the lowest/newest: preempted
-    assert batch(out) == [("a", 8, 1, True)] and [r.request_id for r in out.preempted] == ["b"]
+    assert batch(out) == [("a", 8, 1, True)] and out.preempted_ids == ["b"]
     assert [r.request_id for r in h.sched.waiting] == ["b", "older"]
     assert h.sched.waiting[0].output_token_ids == [50]
     admitted = [rid for o in h.run() for rid, *_ in batch(o) if rid != "a"]
@@ -262,11 +297,12 @@ def test_a_preempted_request_goes_to_the_front_of_its_priority_class() -> None:
 
 def test_abort_during_a_step_is_skipped_by_update() -> None:
     h = Harness()
-    h.add(make_request("r", num_tokens=4, max_tokens=3))
+    r = make_request("r", num_tokens=4, max_tokens=3)
+    h.add(r)
     out = h.sched.schedule()
     assert h.sched.abort("r")
     assert h.sched.update(out, {"r": 50}) == []
-    assert out.scheduled[0].request.output_token_ids == []
+    assert r.output_token_ids == []
     assert h.sched.schedule().finished_ids == ["r"]
     h.assert_all_free()
 
