@@ -25,7 +25,7 @@ from common.broker import dispatch
 from common.broker.queue import send_run_jobs
 from common.domain import jobs
 from common.domain.views import job_view
-from common.infra.group_queue import next_group
+from common.infra.group_commit import next_group
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from typing import Any
 from common.domain import jobs
 from common.domain.claimed_job import ClaimedJob
 from common.infra.db import Database
-from common.infra.group_queue import next_group
+from common.infra.group_commit import next_group
 
 log = logging.getLogger(__name__)
 
