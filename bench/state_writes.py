@@ -47,8 +47,6 @@ except ImportError:
     from worker.jobs.state_writer import _Ask
     def write(asks):
         group = [Pending(_Ask(job_id, result)) for job_id, result in asks]
-        for pending in group:
-            pending.set_running_or_notify_cancel()
         writer.committer._commit(group)
         return [pending.result() for pending in group]
 else:

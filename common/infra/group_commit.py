@@ -50,18 +50,21 @@ class GroupCommitter(Generic[Item, Result]):
     a group that failed with `error` is committed again item by item (the default: always, a lone item
     included, as a dropped connection fails a group that a new one then writes); where it says no, every item
     of the group gets the error. `commit_group` must not raise once its transaction has committed: its items
-    would be committed again. The writer thread starts with the first item asked for."""
+    would be committed again. With `cancellable`, an item whose future was cancelled before its group was
+    taken is not committed; without, callers must not cancel (an ask costs no state change then). The writer
+    thread starts with the first item asked for."""
 
     def __init__(self, name: str, commit_group: Callable[[list[Item]], Sequence[Result]],
                  commit_alone: Callable[[Item], Result], *,
                  retry_alone: Callable[[int, Exception], bool] = _retry_any, max_group: int = 512,
-                 linger_seconds: float = 0.0, thread_name: str | None = None) -> None:
+                 linger_seconds: float = 0.0, cancellable: bool = True, thread_name: str | None = None) -> None:
         self.name = name
         self.commit_group = commit_group
         self.commit_alone = commit_alone
         self.retry_alone = retry_alone
         self.max_group = max_group
         self.linger_seconds = linger_seconds
+        self.cancellable = cancellable
         self._thread_name = thread_name or name
         self._queue: queue.SimpleQueue[Pending[Item, Result] | None] = queue.SimpleQueue()
         # Items are queued under this lock, before `close` queues the stop: none can land after it and wait
@@ -76,8 +79,8 @@ class GroupCommitter(Generic[Item, Result]):
         return self._queue.qsize()
 
     def submit(self, item: Item) -> Pending[Item, Result]:
-        """Ask for `item` to be committed; the future answers its result. Cancelled before its group is taken,
-        the item is not committed. Raises RuntimeError once the committer is closed."""
+        """Ask for `item` to be committed; the future answers its result. Raises RuntimeError once the
+        committer is closed."""
         pending: Pending[Item, Result] = Pending(item)
         with self._lock:
             if self._closed:
@@ -117,11 +120,12 @@ class GroupCommitter(Generic[Item, Result]):
 
     def _run(self) -> None:
         while (group := next_group(self._queue, self.max_group, self.linger_seconds)) is not None:
-            # An item whose caller gave up before its turn (an API client that went away) is not committed;
-            # the others can no longer be cancelled, so their answers can always be set.
-            group = [pending for pending in group if pending.set_running_or_notify_cancel()]
-            if not group:
-                continue
+            if self.cancellable:
+                # An item whose caller gave up before its turn (an API client that went away) is not
+                # committed; the others can no longer be cancelled, so their answers can always be set.
+                group = [pending for pending in group if pending.set_running_or_notify_cancel()]
+                if not group:
+                    continue
             try:
                 self._commit(group)
             except Exception:  # never let one group stop the writer: every later item would wait forever

@@ -49,9 +49,10 @@ class StateWriter:
         self.worker_id = worker_id
         self.lease_seconds = lease_seconds
         self.num_transactions = 0  # transactions written, grouped or alone (tests and metrics read it)
+        # Not cancellable: no caller cancels a claim or a finish, and the hot path pays for no state change.
         self.committer: GroupCommitter[_Ask, _Answer] = GroupCommitter(
             "state writer", self._write, self._write_one, max_group=max_group, linger_seconds=linger_seconds,
-            thread_name="vlmq-state-writer")
+            cancellable=False, thread_name="vlmq-state-writer")
 
     def claim(self, job_id: str) -> ClaimedJob | None:
         """common.domain.jobs.claim(..., unless_last_try=True) of this one job, grouped with other threads' claims."""
