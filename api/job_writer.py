@@ -11,11 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import queue
-import threading
 from collections import defaultdict
-from concurrent.futures import Future
-from dataclasses import dataclass
 from functools import partial
 
 from sqlalchemy.exc import InterfaceError, OperationalError
@@ -25,7 +21,7 @@ from common.broker import dispatch
 from common.broker.queue import send_run_jobs
 from common.domain import jobs
 from common.domain.views import job_view
-from common.infra.group_queue import next_group
+from common.infra.group_commit import GroupCommitter
 
 log = logging.getLogger(__name__)
 
@@ -33,73 +29,43 @@ log = logging.getLogger(__name__)
 _UNREACHABLE = (OperationalError, InterfaceError)
 
 
-@dataclass
-class _Pending:
-    fields: jobs.NewJob
-    answer: Future[str]  # the job's JSON view, once committed
+def _retry_alone(num_jobs: int, error: Exception) -> bool:
+    """One request's value the database refused (or a bug it alone meets) must not fail the requests that
+    happened to share its transaction: each is written on its own instead. A lone request is not written
+    twice."""
+    return num_jobs > 1 and not isinstance(error, _UNREACHABLE)
 
 
 class JobWriter:
     def __init__(self, state: AppState, max_batch: int = 512) -> None:
         self.state = state
-        self.max_batch = max_batch
-        self._queue: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
+        # The thread starts with the first request: an app that is built and never serves starts none.
+        self.committer: GroupCommitter[jobs.NewJob, str] = GroupCommitter(
+            "job writer", self._write, self._write_alone, retry_alone=_retry_alone, max_group=max_batch,
+            thread_name="vlmq-job-writer")
 
     async def write(self, fields: jobs.NewJob) -> str:
-        """Commit a new queued job and dispatch it; its JSON view."""
-        self._ensure_started()
-        answer: Future[str] = Future()
-        self._queue.put(_Pending(fields, answer))
-        return await asyncio.wrap_future(answer)
+        """Commit a new queued job and dispatch it; its JSON view. A request whose client goes away before
+        its group is taken is not written (it was never answered 202)."""
+        return await asyncio.wrap_future(self.committer.submit(fields))
 
     def close(self) -> None:
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread.join(10)
+        self.committer.close()
 
-    def _ensure_started(self) -> None:
-        if self._thread is None:
-            with self._lock:
-                if self._thread is None:
-                    self._thread = threading.Thread(target=self._run, name="vlmq-job-writer", daemon=True)
-                    self._thread.start()
-
-    def _run(self) -> None:
-        while (batch := next_group(self._queue, self.max_batch)) is not None:
-            # A request whose client went away before its turn is not written (it was never answered 202);
-            # the others can no longer be cancelled, so their answers can always be set.
-            batch = [p for p in batch if p.answer.set_running_or_notify_cancel()]
-            try:
-                if batch:
-                    self._write(batch)
-            except Exception:  # never let one batch stop the writer: every later request would hang
-                log.exception("job writer: a batch of %d failed", len(batch))
-
-    def _write(self, batch: list[_Pending]) -> None:
-        try:
-            with self.state.db.session() as session:
-                made = [p.fields.job() for p in batch]
-                session.add_all(made)
-                session.flush()
-                views = [(job.id, job.priority, job_view(job).model_dump_json()) for job in made]
-        except BaseException as exc:
-            if len(batch) > 1 and isinstance(exc, Exception) and not isinstance(exc, _UNREACHABLE):
-                # One request's value the database refused (or a bug it alone meets) must not fail the
-                # requests that happened to share its transaction: each is written on its own instead.
-                log.warning("job writer: a group of %d failed (%s); writing them one by one", len(batch), exc)
-                for p in batch:
-                    self._write([p])
-                return
-            for p in batch:
-                p.answer.set_exception(exc)
-            if not isinstance(exc, Exception):
-                raise
-            return
+    def _write(self, batch: list[jobs.NewJob]) -> list[str]:
+        """Insert the jobs in one transaction, then send their messages; their JSON views."""
+        with self.state.db.session() as session:
+            made = [fields.job() for fields in batch]
+            session.add_all(made)
+            session.flush()
+            views = [(job.id, job.priority, job_view(job).model_dump_json()) for job in made]
+        # Never raises (a send that fails marks its jobs unsent for the sweep), so a committed group is never
+        # written again one by one.
         self._send(views)
-        for p, (_, _, view) in zip(batch, views, strict=True):
-            p.answer.set_result(view)
+        return [view for _, _, view in views]
+
+    def _write_alone(self, fields: jobs.NewJob) -> str:
+        return self._write([fields])[0]
 
     def _send(self, views: list[tuple[str, int, str]]) -> None:
         by_priority: dict[int, list[str]] = defaultdict(list)

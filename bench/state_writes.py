@@ -37,23 +37,33 @@ import json, sys, time
 sys.path.insert(0, sys.argv[1])
 from common.domain import jobs
 from common.infra.db import get_database
-from worker.jobs.state_writer import StateWriter, _Request
+from worker.jobs.state_writer import StateWriter
 ids, size = json.loads(sys.argv[3]), int(sys.argv[4])
 writer = StateWriter(get_database(sys.argv[2]), "bench-worker", 600)
+try:  # the code from before common/infra/group_commit.py: requests with futures of their own
+    from worker.jobs.state_writer import _Request
+except ImportError:
+    from common.infra.group_commit import Pending
+    from worker.jobs.state_writer import _Ask
+    def write(asks):
+        group = [Pending(_Ask(job_id, result)) for job_id, result in asks]
+        writer.committer._commit(group)
+        return [pending.result() for pending in group]
+else:
+    def write(asks):
+        group = [_Request(job_id, result) for job_id, result in asks]
+        writer._write(group)
+        return [request.answer.result() for request in group]
 def result(job_id):
     return jobs.JobResult(f"results/{job_id}.json", "A picture of three shapes on a plain background.", "stop", 40, 32)
-warm = [_Request(job_id, None) for job_id in ids[:8]]
-writer._write(warm)
-writer._write([_Request(r.job_id, result(r.job_id)) for r in warm])
+write([(job_id, None) for job_id in ids[:8]])
+write([(job_id, result(job_id)) for job_id in ids[:8]])
 ids = ids[8:]
 cpu = time.process_time()
 for start in range(0, len(ids), size):
-    claims = [_Request(job_id, None) for job_id in ids[start:start + size]]
-    writer._write(claims)
-    assert all(r.answer.result() is not None for r in claims)
-    finishes = [_Request(r.job_id, result(r.job_id)) for r in claims]
-    writer._write(finishes)
-    assert all(r.answer.result() for r in finishes)
+    group = ids[start:start + size]
+    assert all(job is not None for job in write([(job_id, None) for job_id in group]))
+    assert all(write([(job_id, result(job_id)) for job_id in group]))
 cpu = time.process_time() - cpu
 writer.close()
 print(json.dumps({"cpu": cpu, "jobs": len(ids)}))

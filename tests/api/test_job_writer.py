@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
 from sqlalchemy import func, select
 
-from api.job_writer import JobWriter, _Pending
+from api.job_writer import JobWriter
 from api.main import create_app
 from common.domain.jobs import NewJob
 from common.domain.models import Job
+from common.infra.group_commit import Pending
 from common.infra.settings import Settings
 
 REQUEST = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
@@ -28,10 +28,9 @@ def test_writer_commits_together_and_survives_abandoned_requests(tmp_path: Path)
     upgrade(url)
     app = create_app(Settings(data_dir=tmp_path, database_url=url, model="tiny", broker_url="memory://"))
     writer: JobWriter = app.state.job_writer
-    abandoned: Future[str] = Future()
+    abandoned: Pending[NewJob, str] = Pending(NewJob(model="tiny", request=REQUEST, tenant="t"))
     abandoned.cancel()  # its client disconnected before the writer got to it
-    writer._ensure_started()
-    writer._queue.put(_Pending(NewJob(model="tiny", request=REQUEST, tenant="t"), abandoned))
+    writer.committer._queue.put(abandoned)
 
     async def submit_many() -> list[str]:
         return await asyncio.gather(*(writer.write(NewJob(model="tiny", request=REQUEST, tenant="t",
@@ -54,11 +53,10 @@ def test_one_unwritable_request_fails_alone_in_its_group(tmp_path: Path) -> None
     upgrade(url)
     app = create_app(Settings(data_dir=tmp_path, database_url=url, model="tiny", broker_url="memory://"))
     writer: JobWriter = app.state.job_writer
-    answers: list[Future[str]] = [Future() for _ in range(9)]
-    for i, answer in enumerate(answers):  # queued before the writer starts: one group of nine
-        metadata = {"i": "bad\udc00"} if i == 4 else {"i": str(i)}
-        writer._queue.put(_Pending(NewJob(model="tiny", request=REQUEST, tenant="t", metadata=metadata), answer))
-    writer._ensure_started()
+    # Asked for together, before the writer thread starts: one group of nine.
+    answers = writer.committer.submit_all(
+        NewJob(model="tiny", request=REQUEST, tenant="t", metadata={"i": "bad\udc00"} if i == 4 else {"i": str(i)})
+        for i in range(9))
     for i, answer in enumerate(answers):
         if i == 4:
             with pytest.raises(Exception):  # noqa: B017 - whatever the serializer raises, it reaches this request

@@ -54,7 +54,7 @@ def test_concurrent_claims_and_finishes_share_a_transaction(db: Database, writer
         duplicate = pool.submit(writer.claim, ids[11])  # a second delivery of the same job in the same group
         finishes = {job_id: pool.submit(writer.finish, job_id, jobs.JobResult(f"r/{job_id}", job_id, "stop", 1, 2))
                     for job_id in to_finish}
-        while writer._queue.qsize() < len(claims) + 1 + len(finishes):
+        while writer.committer.num_waiting < len(claims) + 1 + len(finishes):
             threading.Event().wait(0.01)
         release.set()
         assert blocker.result(10) is not None
@@ -86,7 +86,7 @@ def test_one_bad_row_fails_only_its_caller(db: Database, writer: StateWriter,  #
         good = {job_id: pool.submit(writer.finish, job_id, jobs.JobResult("r/ok", "ok", "stop", 1, 2))
                 for job_id in ids[:4]}
         failing = pool.submit(writer.finish, ids[4], bad)
-        while writer._queue.qsize() < 5:
+        while writer.committer.num_waiting < 5:
             threading.Event().wait(0.01)
         release.set()
         blocker.result(10)
