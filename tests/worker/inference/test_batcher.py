@@ -58,14 +58,14 @@ def test_other_failures_stay_what_they_were(error: Exception) -> None:
     assert outcome is error
 
 
-def test_only_the_paged_engines_fronts_take_inputs_prepared_elsewhere() -> None:
+def test_only_the_paged_engines_inputs_may_be_prepared_elsewhere() -> None:
     """worker/context.py builds a prepare pool only for an EngineGenerator: the engine in this process or in a
-    child is one; the HF batcher (its inputs are its own) and the null generator are not."""
+    child is one, and so is the null generator that stands in for it; the HF batcher (its inputs are its own)
+    is not."""
     from worker.engine.process import EngineProcess
     from worker.engine.service import EngineService
     from worker.inference.null_generator import NullGenerator
 
-    for front in (EngineService, EngineProcess):
+    for front in (EngineService, EngineProcess, NullGenerator):
         assert isinstance(object.__new__(front), EngineGenerator)
-    for other in (BatchingGenerator, NullGenerator):
-        assert not isinstance(object.__new__(other), EngineGenerator)
+    assert not isinstance(object.__new__(BatchingGenerator), EngineGenerator)
