@@ -21,7 +21,7 @@ from common.domain.prompt_size import check_prompt_size
 from common.domain.schemas import ChatCompletionRequest, ImagePart, JobCreate, TextPart
 from common.domain.submission_error import SubmissionError
 from common.images.cache import ImageCache
-from common.images.pack import ImagePack
+from common.images.pack import ImagePack, without_locations
 from common.images.refs import ResolvedImage, known_image, resolve_image
 from common.infra.settings import Settings
 from common.infra.storage import ObjectStore
@@ -160,8 +160,9 @@ def submit_job(
 def _same_request(job: Job, fields: jobs.NewJob, key: str) -> Job:
     """`job` if `fields` ask for what it was created with: a key reused for another request is a client bug
     that answering with the old job would hide."""
-    asked = json.loads(json.dumps([fields.model, fields.request, fields.priority, fields.metadata]))
-    if asked != [job.model, job.request, job.priority, job.metadata_]:
+    asked = json.loads(json.dumps([fields.model, without_locations(fields.request), fields.priority,
+                                   fields.metadata]))
+    if asked != [job.model, without_locations(job.request), job.priority, job.metadata_]:
         raise SubmissionError(f"Idempotency-Key {key[:80]!r} was already used for a different request (job "
                               f"{job.id}); use a new key for a new request", 422, "idempotency_key_reused")
     return job

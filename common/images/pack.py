@@ -42,6 +42,20 @@ class PackedImage:
         return None if key is None else cls(key, int(part["offset"]), int(part["size"]))
 
 
+PART_LOCATION_FIELDS = ("pack", "offset", "size")
+
+
+def without_locations(request: dict[str, Any]) -> dict[str, Any]:
+    """A stored request with its image parts reduced to the image ids: where a copy of the bytes lies is the
+    store's business, not part of what was asked (two requests for the same images are the same request, one
+    resolved to a lone object and the other to some tenant's pack)."""
+    return {**request, "messages": [
+        {**message, "content": [
+            {k: v for k, v in part.items() if k not in PART_LOCATION_FIELDS} if part.get("type") == "image" else part
+            for part in message["content"]]}
+        for message in request["messages"]]}
+
+
 class ImagePack:
     """The new images of one transaction, written as one object by `flush`, or as several when they exceed
     `max_bytes` (an image larger than that is a pack of its own). Not thread-safe: one per ingestion run."""

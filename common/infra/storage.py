@@ -234,8 +234,8 @@ def image_key(sha256: str) -> str:
 
 
 def tenant_prefix(tenant: str) -> str:
-    """Every object of a tenant's lies under this (bucket policies and audits can follow tenants); images are
-    the exception: stored once by content hash, shared by every job that uses the same bytes."""
+    """Every object of a tenant's lies under this (bucket policies and audits can follow tenants); images and
+    their packs are the exception: stored once by content hash, shared by every job that uses the same bytes."""
     return f"tenants/{tenant}/"
 
 

@@ -26,6 +26,12 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    # Older code reads every image from images/<sha256>: an image whose only copy is in a pack would be lost
+    # to it, and every job naming it would fail.
+    packed = op.get_bind().execute(sa.text("SELECT id FROM images WHERE pack_key IS NOT NULL LIMIT 1")).first()
+    if packed is not None:
+        raise RuntimeError("images are stored in packs (images.pack_key): copy each to images/<sha256> and "
+                           "clear pack_key before downgrading below 0006")
     with op.batch_alter_table('images', schema=None) as batch_op:
         batch_op.drop_column('pack_offset')
         batch_op.drop_column('pack_key')

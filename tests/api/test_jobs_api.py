@@ -14,7 +14,11 @@ import pytest
 import redis
 from PIL import Image
 
+from common.images.pack import ImagePack
+from common.images.stored import store_image
+from common.infra.db import get_database
 from common.infra.settings import Settings
+from common.infra.storage import make_store
 from tests.conftest import ApiServer, settings_from_env
 from tests.redis_text import text
 
@@ -115,6 +119,23 @@ def test_idempotency_key_returns_same_job(api: httpx.Client) -> None:
         reused = api.post("/v1/jobs", json=changed, headers={"Idempotency-Key": key})
         assert reused.status_code == 422, reused.text
         assert reused.json()["error"]["code"] == "idempotency_key_reused"
+
+
+def test_a_retry_is_the_same_request_wherever_its_image_lies(api: httpx.Client, settings: Settings) -> None:
+    """Bytes another tenant's ingestion packed first: this tenant's first request stores them anew, its retry
+    finds them owned, with the shared row's pack as their place. Still the same request: a 422 here would also
+    tell the tenant that someone else had sent those bytes."""
+    picture = png_bytes((uuid.uuid4().bytes[0], 77, 99))
+    store = make_store(settings)
+    pack = ImagePack(store, settings.image_pack_bytes)
+    with get_database(settings.database_url).session() as session:
+        assert store_image(session, store, picture, settings, "another-tenant", pack).pack is not None
+        pack.flush()
+    body, key = chat_body(data_url(picture), text="same"), f"key-{uuid.uuid4()}"
+    first = api.post("/v1/jobs", json=body, headers={"Idempotency-Key": key})
+    again = api.post("/v1/jobs", json=body, headers={"Idempotency-Key": key})
+    assert first.status_code == 202 and again.status_code == 200, again.text
+    assert again.json()["id"] == first.json()["id"]
 
 
 def test_list_with_status_filter_and_cursor(api: httpx.Client) -> None:

@@ -105,3 +105,25 @@ def _drop(name: str) -> None:
 
     with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def test_downgrading_below_image_packs_refuses_while_an_image_lies_only_in_one(url: str) -> None:
+    from alembic import command
+
+    from common.infra.migrate import alembic_config
+
+    upgrade(url)
+    engine = make_engine(url)
+    try:
+        command.downgrade(alembic_config(url), "0005")  # no packed image: it goes down, and up again
+        upgrade(url)
+        with engine.begin() as conn:
+            conn.execute(text("INSERT INTO images (id, format, width, height, size_bytes, created_at, pack_key, "
+                              "pack_offset) VALUES ('abc', 'PNG', 1, 1, 3, :now, 'packs/p', 0)"),
+                         {"now": datetime.now(UTC)})
+        with pytest.raises(RuntimeError, match="images are stored in packs"):
+            command.downgrade(alembic_config(url), "0005")
+        with engine.connect() as conn:
+            assert conn.scalar(text("SELECT pack_key FROM images WHERE id = 'abc'")) == "packs/p"
+    finally:
+        engine.dispose()

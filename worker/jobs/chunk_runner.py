@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import replace
 from functools import partial
@@ -37,6 +37,18 @@ from worker.jobs.request import has_images
 from worker.jobs.retry import infra_retry
 
 log = logging.getLogger(__name__)
+
+
+# Packed image bytes one chunk reads ahead for its rows; a row past it reads its own when it is prepared.
+MAX_CHUNK_IMAGE_BYTES = 64 * 1024 * 1024
+
+
+def _image_refs(claim: ClaimedJob) -> list[ImageRef]:
+    """A row's images, or none where its stored request cannot say (its own prepare then refuses it)."""
+    try:
+        return image_refs(claim.request)
+    except (KeyError, TypeError, ValueError):
+        return []
 
 
 class _Chunk:
@@ -107,11 +119,11 @@ class ChunkRunner:
                         here.append(claim)
             fetched = self._read_packed_images(to_pool + here)
             for claim in to_pool:
-                mine = {ref: fetched[ref] for ref in image_refs(claim.request) if ref in fetched}
-                elsewhere[claim.id] = self.pool.submit(partial(pipeline.run_held, fetched=mine), claim, on_job_done)
+                elsewhere[claim.id] = self.pool.submit(partial(pipeline.run_held, fetched=fetched.pop(claim.id)),
+                                                       claim, on_job_done)
             for claim in here:
                 chunk.open()
-                self._start(claim, chunk, fetched)
+                self._start(claim, chunk, fetched.pop(claim.id))
             chunk.wait()
             for future in list(elsewhere.values()):
                 future.exception()  # the gate is held until every row this chunk claimed has ended
@@ -145,21 +157,28 @@ class ChunkRunner:
         except Exception as exc:
             return dict.fromkeys(job_ids, exc)
 
-    def _read_packed_images(self, claims: list[ClaimedJob]) -> dict[ImageRef, bytes]:
-        """The packed images of the chunk's image rows, read together: rows ingested together have theirs side
-        by side in one pack. What cannot be read here each row reads, and reports, for itself."""
-        refs = [ref for claim in claims for ref in image_refs(claim.request) if ref.pack is not None]
-        if not refs:
-            return {}
-        try:
-            with self.pipeline.clock.stage("inputs", calls=0):  # each row's own inputs stage counts the call
-                return self.pipeline.read_images(refs)
-        except Exception as exc:
-            log.warning("could not read the images of %d rows together (%s: %s); each reads its own",
-                        len(claims), type(exc).__name__, exc)
-            return {}
+    def _read_packed_images(self, claims: list[ClaimedJob]) -> dict[str, dict[ImageRef, bytes]]:
+        """Per row, its packed images read together with the chunk's others (rows ingested together have theirs
+        side by side in one pack), up to MAX_CHUNK_IMAGE_BYTES in all. What is not read here each row reads,
+        and reports, for itself; each row's share is dropped once it is prepared."""
+        wanted: dict[str, list[ImageRef]] = {}
+        budget = MAX_CHUNK_IMAGE_BYTES
+        for claim in claims:
+            refs = [ref for ref in _image_refs(claim) if ref.pack is not None]
+            size = sum(ref.pack.size for ref in refs if ref.pack is not None)
+            if refs and size <= budget:
+                wanted[claim.id], budget = refs, budget - size
+        read: dict[ImageRef, bytes] = {}
+        if wanted:
+            try:
+                with self.pipeline.clock.stage("inputs", calls=0):  # each row's own inputs stage counts the call
+                    read = self.pipeline.read_images(ref for refs in wanted.values() for ref in refs)
+            except Exception as exc:
+                log.warning("could not read the images of %d rows together (%s: %s); each reads its own",
+                            len(wanted), type(exc).__name__, exc)
+        return {claim.id: {ref: read[ref] for ref in wanted.get(claim.id, ()) if ref in read} for claim in claims}
 
-    def _start(self, job: ClaimedJob, chunk: _Chunk, fetched: Mapping[ImageRef, bytes]) -> None:
+    def _start(self, job: ClaimedJob, chunk: _Chunk, fetched: dict[ImageRef, bytes]) -> None:
         """Prepare and submit one claimed batch row; its end comes through callbacks."""
         pipeline = self.pipeline
         try:

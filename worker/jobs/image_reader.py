@@ -43,7 +43,7 @@ class ImageReader:
         """The image's bytes; raises ObjectNotFound when they are not where the reference says."""
         if ref.pack is None:
             return self.store.get(image_key(ref.sha256))
-        return _checked(ref, self.store.get_range(ref.pack.key, ref.pack.offset, ref.pack.size))
+        return _checked(ref, self._range(ref.pack.key, ref.pack.offset, ref.pack.size))
 
     def read_many(self, refs: Iterable[ImageRef]) -> dict[ImageRef, bytes]:
         """The bytes of each packed image among `refs`, read with one ranged GET per stretch of a pack whose
@@ -55,10 +55,20 @@ class ImageReader:
         found: dict[ImageRef, bytes] = {}
         for key, wanted in by_pack.items():
             for start, end, stretch in _stretches(wanted):
-                data = self.store.get_range(key, start, end - start)
+                data = self._range(key, start, end - start)
                 for ref, at in stretch:
                     found[ref] = _checked(ref, data[at.offset - start:at.offset - start + at.size])
         return found
+
+    def _range(self, key: str, start: int, size: int) -> bytes:
+        """Bytes start..start+size of a pack. A server that ignored the range sent the whole object; one that
+        sent less fails the read as a transient fault (the job is retried), never as a missing image."""
+        data = self.store.get_range(key, start, size)
+        if len(data) > size:
+            data = data[start:start + size]
+        if len(data) != size:
+            raise OSError(f"{key}: read {len(data)} of the {size} bytes from {start}")
+        return data
 
 
 def _stretches(wanted: dict[ImageRef, PackedImage]) -> list[tuple[int, int, list[tuple[ImageRef, PackedImage]]]]:

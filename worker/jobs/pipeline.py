@@ -114,9 +114,10 @@ class JobPipeline:
         self.leases.add(job.id)
         return self.run_held(job)
 
-    def run_held(self, job: ClaimedJob, fetched: Mapping[ImageRef, bytes] | None = None) -> Outcome:
+    def run_held(self, job: ClaimedJob, fetched: dict[ImageRef, bytes] | None = None) -> Outcome:
         """Run a job this worker has claimed and whose lease it keeps (leases.add), then let the lease go.
-        `fetched`: some of its images, already read (ImageReader.read_many); the rest are read here."""
+        `fetched`: some of its images, already read (ImageReader.read_many), the rest read here; emptied once
+        the job's input is prepared, so that the bytes are not held while the job waits on the model."""
         try:
             outcome = self._run_claimed(job, fetched or {})
         finally:
@@ -138,9 +139,10 @@ class JobPipeline:
             job = jobs.claim(session, job_id, self.worker_id, self.settings.lease_seconds)
             return None if job is None else ClaimedJob.of(job)
 
-    def _run_claimed(self, job: ClaimedJob, fetched: Mapping[ImageRef, bytes]) -> Outcome:
+    def _run_claimed(self, job: ClaimedJob, fetched: dict[ImageRef, bytes]) -> Outcome:
         try:
             prepared = self.prepare(job, fetched)
+            fetched.clear()
             with self.clock.stage("engine"):
                 result = self.generator.submit(prepared).result()
         except Exception as exc:

@@ -80,3 +80,29 @@ def test_image_refs_follow_the_request_order() -> None:
                                      {"type": "text", "text": "and"}, {"type": "image", "image_id": "b"}]},
     ]}
     assert image_refs(request) == [ImageRef("a", PackedImage("packs/p", 3, 4)), ImageRef("b", None)]
+
+
+class WholeObjectStore(LocalObjectStore):
+    """A server that ignores Range and sends the whole object."""
+
+    def get_range(self, key: str, start: int, size: int) -> bytes:
+        return self.get(key)
+
+
+class ShortReadStore(LocalObjectStore):
+    def get_range(self, key: str, start: int, size: int) -> bytes:
+        return super().get_range(key, start, size)[:-1]
+
+
+def test_a_range_the_server_ignored_or_cut_short(tmp_path: Path) -> None:
+    whole, short = WholeObjectStore(tmp_path / "a"), ShortReadStore(tmp_path / "b")
+    refs = []
+    for store in (whole, short):
+        pack = ImagePack(store, 1 << 20)
+        pack.add(b"first image")
+        refs.append(ref_of(b"second image", pack.add(b"second image")))
+        pack.flush()
+    assert ImageReader(whole).read(refs[0]) == b"second image"
+    assert ImageReader(whole).read_many([refs[0]]) == {refs[0]: b"second image"}
+    with pytest.raises(OSError, match="read 11 of the 12 bytes"):  # retried as a fault, not a missing image
+        ImageReader(short).read(refs[1])
