@@ -183,7 +183,8 @@ class ChunkRunner:
         pipeline = self.pipeline
         try:
             prepared = pipeline.prepare(job, fetched)
-            future = pipeline.generator.submit(prepared)
+            with pipeline.clock.stage("engine"):  # the hand-off: the model's own time is the engine's CPU
+                future = pipeline.generator.submit(prepared)
         except Exception as exc:
             self._end_on_pool(job, chunk, pipeline.end_failed, job, exc)
             return
@@ -200,7 +201,8 @@ class ChunkRunner:
         job_result = jobs.JobResult(None, result.text, result.finish_reason, result.prompt_tokens,
                                     result.completion_tokens)
         try:
-            finish = self.pipeline.writer.finish_later(job.id, job_result)
+            with self.pipeline.clock.stage("finish"):  # the hand-off: the group's SQL is the writer's
+                finish = self.pipeline.writer.finish_later(job.id, job_result)
         except Exception:  # the writer is closing: finish the slow way
             self._end_on_pool(job, chunk, self.pipeline.finish, job, job_result)
             return
