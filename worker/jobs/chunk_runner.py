@@ -33,7 +33,6 @@ from worker.inference.generation import GenerationResult
 from worker.jobs.group import JobGroupRunner, OnJobDone
 from worker.jobs.image_reader import ImageRef, image_refs
 from worker.jobs.pipeline import Ending, JobPipeline, Outcome
-from worker.jobs.request import has_images
 from worker.jobs.retry import infra_retry
 
 log = logging.getLogger(__name__)
@@ -113,7 +112,7 @@ class ChunkRunner:
                 else:
                     pipeline.leases.add(job_id)
                     # A prepare pool's processes do an image row's work in parallel: its thread only waits.
-                    if claim.batch_id is None or (pipeline.prepare_pool is not None and has_images(claim.request)):
+                    if claim.batch_id is None or (pipeline.prepare_pool is not None and _image_refs(claim)):
                         to_pool.append(claim)
                     else:
                         here.append(claim)

@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import update
@@ -21,9 +22,10 @@ from common.infra.migrate import upgrade
 from common.infra.settings import Settings
 from common.infra.storage import ObjectStore, make_store, result_key
 from tests.api.test_jobs_api import png_bytes
-from worker.inference.generation import GenerationRequest, GenerationResult, InputError
+from worker.inference.generation import GenerationRequest, GenerationResult, InputError, SamplingParams
 from worker.jobs.chunk_runner import ChunkRunner
 from worker.jobs.group import JobGroupRunner
+from worker.jobs.image_reader import ImageRef
 from worker.jobs.leases import LeaseKeeper
 from worker.jobs.pipeline import JobPipeline, Outcome
 
@@ -272,3 +274,47 @@ def test_a_row_whose_image_is_not_where_it_says_fails_alone(local: tuple[Setting
         assert fine is not None and fine.status == JobStatus.SUCCEEDED and fine.result_text == "enif"
         assert misplaced is not None and misplaced.status == JobStatus.FAILED
         assert misplaced.error_code == "image_missing"
+
+
+class _RecordingPreparePool:
+    """Stands in for worker/jobs/prepare_pool.py: records what each image row was handed, on which thread."""
+
+    def __init__(self) -> None:
+        self.handed: dict[str, tuple[int, str]] = {}
+
+    def prepare(self, job_id: str, request: dict[str, Any], priority: int, tenant: str,
+                fetched: dict[ImageRef, bytes] | None = None) -> GenerationRequest:
+        self.handed[job_id] = (len(fetched or {}), threading.current_thread().name)
+        text = request["messages"][0]["content"][0]["text"]
+        return GenerationRequest(request_id=job_id, messages=[{"role": "user", "content": [
+            {"type": "text", "text": text}]}], images=[], sampling=SamplingParams(max_tokens=4), priority=priority)
+
+    def close(self) -> None:
+        pass
+
+
+def test_with_a_prepare_pool_image_rows_wait_on_job_threads_with_their_images(
+        local: tuple[Settings, Database, ObjectStore]) -> None:
+    _, db, store = local
+    pictures = [png_bytes((9, 9 * i, 90), (6, 6)) for i in range(2)]
+    pack = ImagePack(store, 1 << 20)
+    parts = [{"type": "image", "image_id": hashlib.sha256(p).hexdigest(), **pack.add(p).as_part_fields()}
+             for p in pictures]
+    pack.flush()
+    runner = _runner(local, _HeldModel(hold=False))
+    pool = _RecordingPreparePool()
+    runner.pipeline.prepare_pool = pool  # type: ignore[assignment]
+    with db.session() as session:
+        rows = [jobs.create_job(session, model=MODEL, request=_image_request(f"pic {i}", part), tenant="acme",
+                                batch_id="batch_x").id for i, part in enumerate(parts)]
+        [text_row] = [jobs.create_job(session, model=MODEL, request=_request("words"), tenant="acme",
+                                      batch_id="batch_x").id]
+    try:
+        outcomes = runner.run([*rows, text_row])
+    finally:
+        _close(runner)
+    assert [o.status for o in outcomes if isinstance(o, Outcome)] == [JobStatus.SUCCEEDED] * 3
+    # Each image row got its own image, read with the chunk's, and waited on a job thread; the text row did not
+    # go to the pool at all.
+    assert set(pool.handed) == set(rows)
+    assert all(count == 1 and name.startswith("vlmq-job") for count, name in pool.handed.values())
