@@ -100,7 +100,7 @@ class Supervisor:
 
 
 def one_run(stack: FaultStack, name: str, n_jobs: int, n_workers: int, kills: int, restarts: bool, seed: int,
-            timeout: float, batch_share: float = 0.0) -> RunResult:
+            timeout: float, batch_share: float = 0.0, max_tokens: int = 16) -> RunResult:
     rng = random.Random(seed)
     restarts_before = stack.maintenance_restarts
     supervisor = Supervisor(stack, n_workers).start()
@@ -109,8 +109,8 @@ def one_run(stack: FaultStack, name: str, n_jobs: int, n_workers: int, kills: in
         prompts = [f"{name} {i}: say something about item {i}" for i in range(n_jobs)]
         # Batch rows travel many to a message and run as chunks, so kills land mid-chunk; single jobs one each.
         n_rows = round(n_jobs * batch_share)
-        job_ids = stack.submit_batch(prompts[:n_rows], max_tokens=16)[1] if n_rows else []
-        job_ids += stack.submit(prompts[n_rows:], max_tokens=16)
+        job_ids = stack.submit_batch(prompts[:n_rows], max_tokens=max_tokens)[1] if n_rows else []
+        job_ids += stack.submit(prompts[n_rows:], max_tokens=max_tokens)
         # Faults fire as the run passes fractions of its jobs: kills at random points, Redis at a third,
         # Postgres at two thirds.
         plan = sorted([(rng.uniform(0.15, 0.9), "kill") for _ in range(kills)]
@@ -161,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true",
                         help="exit 1 unless every job ended once, cleanly, and no process exited by itself")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--max-tokens", type=int, default=16,
+                        help="per job: enough that the run outlasts its faults (each fires at a share of jobs done)")
     parser.add_argument("--batch-share", type=float, default=0.5,
                         help="the share of the jobs sent as the rows of one Batch API file; the rest by POST /v1/jobs")
     args = parser.parse_args(argv)
@@ -180,9 +182,9 @@ def main(argv: list[str] | None = None) -> int:
                            republish_grace_seconds=2, device="cpu", dtype="float32", max_num_seqs=16).start()
         results = [
             one_run(stack, "undisturbed", args.jobs, args.workers, 0, False, args.seed, args.timeout,
-                    args.batch_share),
+                    args.batch_share, args.max_tokens),
             one_run(stack, "chaos", args.jobs, args.workers, args.kills, True, args.seed, args.timeout,
-                    args.batch_share),
+                    args.batch_share, args.max_tokens),
         ]
     finally:
         if stack is not None:

@@ -40,9 +40,11 @@ def test_service_runs_agree_with_the_engine_and_account_cpu(tmp_path: Path) -> N
         for line in cpu_lines:
             parts = dict(item.rsplit(" ", 1) for item in line.split(", "))
             assert set(parts) == {"api", "maintenance", "worker", "engine", "postgres", "redis", "s3", "client"}
-            # /proc counts CPU in 10 ms ticks: rclone's server may spend less than one on 6 jobs.
-            busy = ("worker", "engine", "api") + (("s3",) if system.endswith("+moto") else ())
-            assert all(float(parts[name]) > 0 for name in busy), parts
+            # /proc counts CPU in 10 ms ticks: rclone's server may spend less than one on 6 jobs, and so may
+            # moto's and the API on a batch's (one upload, one create; its images in one pack: one PUT, one read).
+            busy = ("worker", "engine") + (("api",) if system.startswith("service+") else ()) + (
+                ("s3",) if system == "service+moto" else ())
+            assert all(float(parts[name]) > 0 for name in busy), (system, parts)
         # The batch's rows are written and dispatched by the ingest worker (maintenance here), and it writes
         # the output file.
         if system.startswith("service_batch"):
