@@ -174,7 +174,7 @@ class JobPipeline:
                 return self.prepare_pool.prepare(job.id, job.request, job.priority, job.tenant, fetched)
         with ExitStack() as decoded:
             with self.clock.stage("inputs"):
-                images = fetch_images(job.request, self.settings, lambda ref: fetched.get(ref) or self.read_image(ref))
+                images = fetch_images(job.request, self.settings, self.read_image, fetched)
                 decoded.enter_context(self.pixels.hold(images.pixels))  # until the inputs are prepared
                 request = generation_request(job.id, job.request, job.priority, self.settings, images, job.tenant)
             with self.clock.stage("prepare"):

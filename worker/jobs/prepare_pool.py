@@ -82,7 +82,7 @@ def _read(ref: ImageRef) -> bytes:
 def _prepare(job_id: str, request: dict[str, Any], priority: int, tenant: str,
              fetched: Mapping[ImageRef, bytes]) -> PreparedInput:
     assert _settings is not None
-    images = fetch_images(request, _settings, lambda ref: fetched.get(ref) or _read(ref))
+    images = fetch_images(request, _settings, _read, fetched)
     req = generation_request(job_id, request, priority, _settings, images, tenant)
     return without_decoded_images(prepare_input(_front, _family, req))
 

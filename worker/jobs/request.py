@@ -6,7 +6,7 @@ the same limits and refuse the same inputs.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,10 +31,13 @@ def has_images(request: dict[str, Any]) -> bool:
     return any(part["type"] == "image" for message in request["messages"] for part in message["content"])
 
 
-def fetch_images(request: dict[str, Any], settings: Settings, fetch: Callable[[ImageRef], bytes]) -> JobImages:
-    """The job's images, fetched (`fetch`: an image's bytes, worker/jobs/image_reader.py) and sized from their
-    headers; raises InputError when together they exceed `settings.max_job_pixels`, before any is decoded."""
-    data = [fetch(ref) for ref in image_refs(request)]
+def fetch_images(request: dict[str, Any], settings: Settings, fetch: Callable[[ImageRef], bytes],
+                 fetched: Mapping[ImageRef, bytes] | None = None) -> JobImages:
+    """The job's images, taken from `fetched` (read already, with a chunk's others) or else fetched (`fetch`:
+    an image's bytes, worker/jobs/image_reader.py), and sized from their headers; raises InputError when
+    together they exceed `settings.max_job_pixels`, before any is decoded."""
+    fetched = fetched or {}
+    data = [fetched.get(ref) or fetch(ref) for ref in image_refs(request)]
     formats = tuple(settings.allowed_image_formats)
     pixels = sum(image_pixels(d, max_pixels=settings.max_image_pixels, allowed_formats=formats) for d in data)
     if pixels > settings.max_job_pixels:
