@@ -18,6 +18,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from common.infra.settings import Settings
 from common.infra.storage import ObjectStore
 
 PACK_PREFIX = "packs/"
@@ -63,7 +64,6 @@ class ImagePack:
     def __init__(self, store: ObjectStore, max_bytes: int) -> None:
         self.store = store
         self.max_bytes = max_bytes
-        self.num_written = 0  # packs written so far
         self._key: str | None = None
         self._parts: list[bytes] = []
         self._size = 0
@@ -83,9 +83,9 @@ class ImagePack:
         """Write what was added since the last flush, if anything; the next add starts a new pack."""
         if self._key is not None and self._parts:
             self.store.put(self._key, b"".join(self._parts))
-            self.num_written += 1
         self._key, self._parts, self._size = None, [], 0
 
-    def discard(self) -> None:
-        """Forget what was added and not flushed (its transaction rolled back)."""
-        self._key, self._parts, self._size = None, [], 0
+    @classmethod
+    def for_settings(cls, store: ObjectStore, settings: Settings) -> ImagePack | None:
+        """An ingestion's pack, sized by VLMQ_IMAGE_PACK_BYTES; None where that is 0 (an object per image)."""
+        return cls(store, settings.image_pack_bytes) if settings.image_pack_bytes else None

@@ -97,7 +97,8 @@ def store_image(session: Session, store: ObjectStore, data: bytes, settings: Set
         store.put(image_key(sha256), data, content_type=f"image/{info.format.lower()}")
     values: dict[str, Any] = {"id": sha256, "format": info.format, "width": info.width, "height": info.height,
                               "size_bytes": info.size_bytes, "created_at": utcnow(),
-                              "pack_key": packed and packed.key, "pack_offset": packed and packed.offset}
+                              "pack_key": None if packed is None else packed.key,
+                              "pack_offset": None if packed is None else packed.offset}
     if _insert_image(session, values, tenant):
         return StoredImage(sha256, info.format, info.width, info.height, info.size_bytes, values["created_at"],
                            packed)

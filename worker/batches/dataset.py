@@ -72,7 +72,7 @@ def index_archive(batch_id: str, images_file_id: str, db: Database, store: Objec
     roots: set[str] = set()
     flat = False
     members = archive.members(store, record, archive.ArchiveLimits.of(settings))
-    pack = ImagePack(store, settings.image_pack_bytes) if settings.image_pack_bytes else None
+    pack = ImagePack.for_settings(store, settings)
     try:
         while part := _take(members, MEMBERS_PER_CHUNK, CHUNK_BYTES):
             with db.session() as session:

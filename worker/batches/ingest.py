@@ -109,8 +109,7 @@ def ingest_batch(batch_id: str, deps: IngestDeps) -> str:
         run = _Run(batch_id, batch.tenant, deps.settings.model_copy(update={"served_model_name": batch.model}),
                    _refused_ids(session, batch_id) if resume_after else set(), images_file_id is not None,
                    model_files=deps.settings.model if batch.model == deps.settings.served_model_name else None,
-                   pack=ImagePack(deps.store, deps.settings.image_pack_bytes) if deps.settings.image_pack_bytes
-                   else None)
+                   pack=ImagePack.for_settings(deps.store, deps.settings))
     if key is None:
         return _fail(deps, batch_id, "file_not_found", f"input file {input_file_id!r} no longer exists")
     if images_file_id is not None and not images_indexed:
