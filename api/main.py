@@ -8,7 +8,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI
 from fastapi.concurrency import run_in_threadpool
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.auth import KeyCache, get_tenant
 from api.body_timeout import BodyIdleTimeout
@@ -24,6 +24,7 @@ from common.domain.served_model import served_model
 from common.infra.db import get_database
 from common.infra.settings import Settings, get_settings
 from common.infra.storage import make_store
+from common.infra.warm_up import warm_up
 from common.infra.worker_registry import WorkerRegistry
 
 log = logging.getLogger(__name__)
@@ -50,13 +51,35 @@ class RouteBodyLimits:
         await limit(scope, receive, send)
 
 
+async def _match_no_route(app: FastAPI) -> None:
+    """FastAPI builds the routes of each included router on the first request matched against them, on the
+    event loop: a path no route takes is matched against all of them, so the first real request finds them
+    built. Straight to the router: no middleware counts it."""
+    path = "/v1/-/warm-up"
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET", "scheme": "http",
+             "path": path, "raw_path": path.encode(), "root_path": "", "query_string": b"", "headers": [],
+             "server": ("127.0.0.1", 0), "client": ("127.0.0.1", 0)}
+
+    async def receive() -> Message:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: Message) -> None:
+        pass
+
+    await app.router(scope, receive, send)
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        # The served model's tokenizer is read now, off the event loop, rather than by the first request.
+        # The served model's tokenizer is read, and connections made, now, off the event loop, rather than by
+        # the first request (common/infra/warm_up.py).
         await run_in_threadpool(served_model, settings.model)
+        state: AppState = app.state.vlmq
+        await run_in_threadpool(warm_up, [state.db], state.store, state.celery)
+        await _match_no_route(app)
         yield
         await app.state.job_waiter.close()
         app.state.job_writer.close()

@@ -208,7 +208,11 @@ def run_service(path: Path, jobs: list[GenerationRequest], threads: int, work: P
                 "SELECT extract(epoch FROM min(created_at)) - :t, extract(epoch FROM max(created_at)) - :t,"
                 " extract(epoch FROM min(started_at)) - :t, extract(epoch FROM max(started_at)) - :t,"
                 " extract(epoch FROM min(finished_at)) - :t, extract(epoch FROM max(finished_at)) - :t,"
-                " (SELECT extract(epoch FROM max(completed_at)) - :t FROM batches) FROM jobs"), {"t": sent_at}).one()
+                " (SELECT extract(epoch FROM max(completed_at)) - :t FROM batches),"
+                " (SELECT extract(epoch FROM max(created_at)) - :t FROM files),"
+                " (SELECT extract(epoch FROM max(created_at)) - :t FROM batches),"
+                " (SELECT extract(epoch FROM max(in_progress_at)) - :t FROM batches),"
+                " (SELECT extract(epoch FROM max(finalizing_at)) - :t FROM batches) FROM jobs"), {"t": sent_at}).one()
             for proc in spies:
                 proc.send_signal(signal.SIGINT)
                 proc.wait(30)
@@ -248,7 +252,10 @@ def run_service(path: Path, jobs: list[GenerationRequest], threads: int, work: P
         print(f"  {name} timeline (s after the first byte sent): "
               + "jobs written {:.2f}-{:.2f}, claimed {:.2f}-{:.2f}, finished {:.2f}-{:.2f}".format(
                   *(float(x) for x in spans[:6]))
-              + ("" if spans[6] is None else f", batch completed {float(spans[6]):.2f}") + f", seen done {seconds:.2f}")
+              + ("" if spans[6] is None else
+                 ", file stored {:.2f}, batch created {:.2f}, in progress {:.2f}, finalizing {:.2f}, completed {:.2f}"
+                 .format(*(float(x) for x in (spans[7], spans[8], spans[9], spans[10], spans[6]))))
+              + f", seen done {seconds:.2f}")
         texts = submission.texts()
         submission.close()
         for part in stack.processes:  # a fast run that logged trouble on the way is not a clean run

@@ -128,7 +128,7 @@ def worker(
     """Run a GPU/CPU worker: one model per process, many jobs in flight, batched together."""
     from common.broker.queue import ingest_queue, make_celery
     from worker.context import get_context
-    from worker.tasks import register_tasks
+    from worker.tasks import register_tasks, warm_batch_context
 
     settings = _settings(model=model, worker_concurrency=concurrency)
     setup_process_logging(settings.log_format, loglevel)
@@ -138,6 +138,8 @@ def worker(
     celery_app = make_celery(settings)
     register_tasks(celery_app)
     context = get_context(settings)  # load the model before taking any message
+    if ingest:
+        warm_batch_context(celery_app)
     route_library_logs(settings.log_format)
     if settings.metrics_port and context.telemetry is not None:
         context.telemetry.serve(settings.metrics_port)
@@ -157,7 +159,7 @@ def ingest_worker(
 ) -> None:
     """Run batch ingestion, cancellation and finalization (the ingest queue). Loads no model, imports no torch."""
     from common.broker.queue import ingest_queue, make_celery
-    from worker.tasks import register_tasks
+    from worker.tasks import register_tasks, warm_batch_context
 
     settings = _settings(ingest_concurrency=concurrency)
     setup_process_logging(settings.log_format, loglevel)
@@ -173,6 +175,7 @@ def ingest_worker(
     if beat:
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         argv += ["--beat", f"--schedule={settings.data_dir / 'celerybeat-schedule'}"]
+    warm_batch_context(celery_app)
     _started(settings)
     _run_celery(celery_app, argv)
 

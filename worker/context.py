@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from common.infra.db import Database, get_database
 from common.infra.settings import Settings, get_settings
 from common.infra.storage import ObjectStore, make_store
+from common.infra.warm_up import warm_up
 from worker.inference.batcher import BatchingGenerator, EngineGenerator, Generator
 from worker.jobs.chunk_runner import ChunkRunner
 from worker.jobs.group import JobGroupRunner
@@ -75,6 +76,7 @@ def build_context(settings: Settings) -> WorkerContext:
     leases = LeaseKeeper(db, worker_id, settings.lease_seconds, settings.heartbeat_seconds,
                          on_lost=generator.abort)
     pipeline = JobPipeline(settings, db, store, generator, leases, worker_id, prepare_pool(settings, generator))
+    warm_up([db, pipeline.writer.db], store)  # before the first message, not by it
     telemetry = WorkerTelemetry(settings, generator, leases, worker_id, pipeline.clock,
                                 pipeline.prepare_pool).start()
     # A message may arrive while all but one of the worker's slots are taken (worker/jobs/prefetch_share.py): its

@@ -69,6 +69,19 @@ def batch_context(app: Celery) -> BatchContext:
         return ctx
 
 
+def warm_batch_context(app: Celery) -> None:
+    """Make the batch context, and what its tasks import and connect to, before the first batch task arrives
+    (common/infra/warm_up.py): the first batch's ingestion and finalization then run as fast as later ones."""
+    from common.domain.served_model import served_model
+    from common.infra.warm_up import warm_up
+    from worker.batches import finalize, ingest, sweep  # noqa: F401  (imported by the tasks on first use)
+
+    ctx = batch_context(app)
+    warm_up([ctx.db], ctx.store, app)
+    if ctx.settings.model:
+        served_model(ctx.settings.model)  # ingestion counts prompt tokens with the model's tokenizer
+
+
 def register_tasks(app: Celery) -> None:
     """Bind the tasks below to `app`. Not shared: a shared task is registered on every app made later in the
     process too, where it would run against this one."""

@@ -44,6 +44,10 @@ class RedisTaskSender:
         self.origin = f"gen{os.getpid()}@{socket.gethostname()}"
         self.reply_to = str(uuid.uuid4())
 
+    def ping(self) -> None:
+        """Open a pooled connection now (a process's warm-up), raising redis.RedisError when Redis is down."""
+        self.client.ping()
+
     def message(self, task: str, args: list[Any], queue: str, priority: int) -> str:
         task_id = str(uuid.uuid4())
         body = json.dumps([args, {}, _EMBED]).encode()

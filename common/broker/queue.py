@@ -97,7 +97,7 @@ def app_settings(app: Celery) -> Settings | None:
     return getattr(app, "vlmq_settings", None)
 
 
-def _direct_sender(app: Celery) -> RedisTaskSender | None:
+def direct_sender(app: Celery) -> RedisTaskSender | None:
     """The app's direct Redis sender (common/broker/fast_send.py), made once; None when the broker needs Celery."""
     sender: RedisTaskSender | Literal[False] | None = app.__dict__.get("vlmq_direct_sender", False)
     if sender is False:
@@ -127,7 +127,7 @@ def send_run_jobs(app: Celery, settings: Settings, job_ids: Iterable[str], prior
     `job_ids_per_message` to a message; returns the number of jobs sent."""
     ids = list(job_ids)
     messages = run_job_args(ids, settings.job_ids_per_message)
-    direct = _direct_sender(app)
+    direct = direct_sender(app)
     if direct is not None:
         direct.send(TASK_RUN_JOB, messages, settings.job_queue, celery_priority(priority))
         return len(ids)

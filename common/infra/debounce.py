@@ -9,7 +9,9 @@ tiny-model worker's throughput (bench/compare.py, ablated side by side). Once pe
 does not grow with the job rate; a window refill waits at most `interval`.
 
 A request that arrives while its key's run is in progress schedules one more run, no earlier than `interval`
-after that run started: no request is ever dropped. Errors are logged; the key is free again afterwards. A
+after that run started: no request is ever dropped. A request made `now` is due at once, interval or not: its
+caller knows this run is the one that matters (a worker's last job of a batch, whose finalize check would
+otherwise wait out the interval after the batch's end). Errors are logged; the key is free again afterwards. A
 run still pending when the process dies is lost with it, which the callers' periodic sweep covers. A forked
 child gets a debouncer of its own, empty, whose thread starts on its first request.
 """
@@ -35,7 +37,9 @@ class Debouncer:
         self.interval = interval
         self.name = name
         self._cond = threading.Condition()
-        self._pending: dict[Hashable, Callable[[], object]] = {}  # key -> the latest work asked for
+        # key -> (when it is due, the latest work asked for); the heap may also hold stale entries of a key that
+        # was asked for again sooner, which are skipped.
+        self._pending: dict[Hashable, tuple[float, Callable[[], object]]] = {}
         self._heap: list[tuple[float, int, Hashable]] = []  # (due, tie-breaker, key) of each pending key
         self._order = itertools.count()
         self._last_start: dict[Hashable, float] = {}
@@ -53,21 +57,24 @@ class Debouncer:
         self._busy = False
         self._thread = None
 
-    def request(self, key: Hashable, work: Callable[[], object]) -> bool:
-        """Have `work` run on the background thread, at once when `key` last ran `interval` ago or more.
-        False when a pending run of `key` already covers this request (it will run this `work`)."""
+    def request(self, key: Hashable, work: Callable[[], object], now: bool = False) -> bool:
+        """Have `work` run on the background thread, at once when `key` last ran `interval` ago or more, or
+        with `now`. False when a pending run of `key` already covers this request (it will run this `work`,
+        sooner where `now` asks for it)."""
         with self._cond:
-            if key in self._pending:
-                self._pending[key] = work
+            at = time.monotonic()
+            due = at if now else max(at, self._last_start.get(key, float("-inf")) + self.interval)
+            pending = self._pending.get(key)
+            if pending is not None and pending[0] <= due:
+                self._pending[key] = (pending[0], work)
                 return False
-            self._pending[key] = work
-            due = max(time.monotonic(), self._last_start.get(key, float("-inf")) + self.interval)
+            self._pending[key] = (due, work)
             heapq.heappush(self._heap, (due, next(self._order), key))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
                 self._thread.start()
             self._cond.notify()
-            return True
+            return pending is None
 
     def wait_idle(self, timeout: float = 10.0) -> bool:
         """Until nothing is pending or running (tests); False on timeout."""
@@ -106,12 +113,16 @@ class Debouncer:
                 self._cond.wait()
                 continue
             due, _, key = self._heap[0]
+            pending = self._pending.get(key)
+            if pending is None or pending[0] != due:
+                heapq.heappop(self._heap)  # stale: the key ran already, or was asked for sooner
+                continue
             delay = due - time.monotonic()
             if delay > 0:
                 self._cond.wait(delay)
                 continue
             heapq.heappop(self._heap)
-            return key, self._pending.pop(key)
+            return key, self._pending.pop(key)[1]
 
 
 def _reset_after_fork() -> None:

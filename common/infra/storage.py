@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-import threading
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -107,13 +106,11 @@ class S3ObjectStore:
         self.bucket = bucket
         self.client = self._client(endpoint_url, region, access_key_id, secret_access_key, max_connections,
                                    max_attempts, "when_supported")
-        # Ranged reads have a client of their own, made on first use: some servers (rclone's) send the whole
-        # object's checksum with a part of it, which botocore would check the part against. Their callers check
-        # what they read themselves (worker/jobs/image_reader.py hashes each image).
-        self._range_client_args = (endpoint_url, region, access_key_id, secret_access_key, max_connections,
-                                   max_attempts, "when_required")
-        self._range_client: Any = None
-        self._range_lock = threading.Lock()
+        # Ranged reads have a client of their own: some servers (rclone's) send the whole object's checksum with
+        # a part of it, which botocore would check the part against. Their callers check what they read
+        # themselves (worker/jobs/image_reader.py hashes each image). Made now, not by a worker's first chunk.
+        self._range_client = self._client(endpoint_url, region, access_key_id, secret_access_key, max_connections,
+                                          max_attempts, "when_required")
         if create_bucket:
             self._ensure_bucket(region)
 
@@ -168,10 +165,6 @@ class S3ObjectStore:
         """`size` bytes from `start` (fewer where the object ends first)."""
         if size <= 0:
             return b""
-        if self._range_client is None:
-            with self._range_lock:
-                if self._range_client is None:
-                    self._range_client = self._client(*self._range_client_args)
         return self._get(key, self._range_client, Range=f"bytes={start}-{start + size - 1}")
 
     def _get(self, key: str, client: Any = None, **kwargs: str) -> bytes:

@@ -4,7 +4,9 @@ the job was the last open one of its batch. No Celery here: the run_job task han
 Asked for right after each job ends, rather than left to the periodic sweep: a batch completes as soon as its
 last job does, and its window is refilled while the engine still has work. Both run on one debouncer thread
 per process (common/infra/debounce.py), at most every AFTER_JOB_INTERVAL_SECONDS per key, and once after the
-last job to ask: each is one or two indexed queries that answer for every job ended before it started. A job
+last job to ask: each is one or two indexed queries that answer for every job ended before it started. The
+finalize check after the last job of a batch this worker held runs at once, not after the interval: that is
+when the batch is likely done. A job
 that ends elsewhere (reaped to `dead`), or a run lost with its process, is caught by the sweep
 (worker/batches/sweep.py). Finalization is idempotent, should two checks both see the batch done.
 """
@@ -55,4 +57,4 @@ def after_job(deps: AfterJobDeps, job_id: str, outcome: Outcome) -> None:
         if batch_id is not None:
             deps.send_finalize(batch_id)
 
-    _after_job_work.request(("finalize", id(db), outcome.batch_id), finalize_if_done)
+    _after_job_work.request(("finalize", id(db), outcome.batch_id), finalize_if_done, now=outcome.batch_drained)

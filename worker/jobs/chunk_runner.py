@@ -110,7 +110,7 @@ class ChunkRunner:
                     # waits there for every shared run to end, this chunk's included).
                     continue
                 else:
-                    pipeline.leases.add(job_id)
+                    pipeline.leases.add(job_id, claim.batch_id)
                     # A prepare pool's processes do an image row's work in parallel: its thread only waits.
                     if claim.batch_id is None or (pipeline.prepare_pool is not None and _image_refs(claim)):
                         to_pool.append(claim)
@@ -228,8 +228,9 @@ class ChunkRunner:
         self.pool.submit_call(run)
 
     def _end(self, job: ClaimedJob, chunk: _Chunk, outcome: Outcome | Exception) -> None:
-        self.pipeline.leases.discard(job.id)
+        drained = self.pipeline.leases.discard(job.id)
         if isinstance(outcome, Outcome):
-            outcome = replace(outcome, tenant=job.tenant, model=job.model, batch_id=job.batch_id)
+            outcome = replace(outcome, tenant=job.tenant, model=job.model, batch_id=job.batch_id,
+                              batch_drained=drained)
         chunk.end(job.id, outcome)
 

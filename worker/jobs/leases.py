@@ -22,19 +22,36 @@ class LeaseKeeper:
         self.worker_id = worker_id
         self.lease_seconds = lease_seconds
         self.interval_seconds = interval_seconds
-        self._held: set[str] = set()
+        self._held: dict[str, str | None] = {}  # job id -> its batch
+        self._batch_rows: dict[str, int] = {}  # batch id -> jobs of it held
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="vlmq-heartbeat", daemon=True)
         self._thread.start()
 
-    def add(self, job_id: str) -> None:
+    def add(self, job_id: str, batch_id: str | None = None) -> None:
         with self._lock:
-            self._held.add(job_id)
+            if job_id in self._held:
+                return
+            self._held[job_id] = batch_id
+            if batch_id is not None:
+                self._batch_rows[batch_id] = self._batch_rows.get(batch_id, 0) + 1
 
-    def discard(self, job_id: str) -> None:
+    def discard(self, job_id: str) -> bool:
+        """Let the job's lease go. True when it was the last job of its batch this worker held: the batch may
+        be done, so its finalize check should not wait (worker/jobs/after_job.py)."""
         with self._lock:
-            self._held.discard(job_id)
+            if job_id not in self._held:
+                return False
+            batch_id = self._held.pop(job_id)
+            if batch_id is None:
+                return False
+            left = self._batch_rows[batch_id] - 1
+            if left:
+                self._batch_rows[batch_id] = left
+                return False
+            del self._batch_rows[batch_id]
+            return True
 
     def held(self) -> list[str]:
         with self._lock:

@@ -61,6 +61,7 @@ class Outcome:
     tenant: str | None = None
     model: str | None = None
     batch_id: str | None = None
+    batch_drained: bool = False  # the last job of its batch this worker held: the batch may be done
 
 
 class JobPipeline:
@@ -111,18 +112,19 @@ class JobPipeline:
             return self._run_leased(job)
 
     def _run_leased(self, job: ClaimedJob) -> Outcome:
-        self.leases.add(job.id)
+        self.leases.add(job.id, job.batch_id)
         return self.run_held(job)
 
     def run_held(self, job: ClaimedJob, fetched: dict[ImageRef, bytes] | None = None) -> Outcome:
         """Run a job this worker has claimed and whose lease it keeps (leases.add), then let the lease go.
         `fetched`: some of its images, already read (ImageReader.read_many), the rest read here; emptied once
         the job's input is prepared, so that the bytes are not held while the job waits on the model."""
+        drained = False
         try:
             outcome = self._run_claimed(job, fetched or {})
         finally:
-            self.leases.discard(job.id)
-        return replace(outcome, tenant=job.tenant, model=job.model, batch_id=job.batch_id)
+            drained = self.leases.discard(job.id)
+        return replace(outcome, tenant=job.tenant, model=job.model, batch_id=job.batch_id, batch_drained=drained)
 
     @infra_retry
     def _claimable_last_try(self, job_id: str) -> bool:

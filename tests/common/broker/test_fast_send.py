@@ -16,8 +16,8 @@ import redis
 from common.broker.messages import live_job_ids
 from common.broker.queue import (
     TASK_RUN_JOB,
-    _direct_sender,
     celery_priority,
+    direct_sender,
     make_celery,
     run_job_args,
     send_run_jobs,
@@ -47,7 +47,7 @@ def test_direct_messages_match_celerys(redis_url: str) -> None:
     app = make_celery(settings)
     client = redis.Redis.from_url(redis_url)
     client.flushdb()
-    direct = _direct_sender(app)
+    direct = direct_sender(app)
     assert direct is not None
     send_run_jobs(app, settings, ["job_direct"], 7)
     (key, (ours,)), = _lists(client).items()
@@ -140,4 +140,4 @@ def test_a_celery_worker_runs_direct_messages_by_priority(redis_url: str) -> Non
 
 
 def test_other_brokers_go_through_celery() -> None:
-    assert _direct_sender(make_celery(Settings(model="/models/x"))) is None  # memory:// (embedded)
+    assert direct_sender(make_celery(Settings(model="/models/x"))) is None  # memory:// (embedded)

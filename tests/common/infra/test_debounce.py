@@ -123,3 +123,21 @@ def test_a_forked_child_runs_its_own_requests() -> None:
     assert os.read(read_end, 16) == b"ran"
     os.close(read_end)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_request_made_now_skips_the_interval_and_runs_once() -> None:
+    debouncer = Debouncer(interval=5.0)
+    ran: list[str] = []
+    debouncer.request("k", lambda: ran.append("first"))
+    assert debouncer.wait_idle(5)
+    assert debouncer.request("k", lambda: ran.append("held")) is True  # due in 5 s
+    start = time.monotonic()
+    assert debouncer.request("k", lambda: ran.append("now"), now=True) is False  # the pending run, made sooner
+    assert debouncer.wait_idle(2)
+    assert time.monotonic() - start < 1.0
+    assert ran == ["first", "now"]
+    time.sleep(0.2)  # the stale entry of the held run, due in 5 s, must not run anything later
+    assert ran == ["first", "now"]
+    # After a run made now, plain requests wait out the interval again.
+    debouncer.request("k", lambda: ran.append("later"))
+    assert not debouncer.wait_idle(0.3)

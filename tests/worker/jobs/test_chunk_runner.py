@@ -314,6 +314,8 @@ def test_with_a_prepare_pool_image_rows_wait_on_job_threads_with_their_images(
     finally:
         _close(runner)
     assert [o.status for o in outcomes if isinstance(o, Outcome)] == [JobStatus.SUCCEEDED] * 3
+    # Whichever path a row took, the one that ended last let go of the batch's last row here (after_job.py).
+    assert sum(o.batch_drained for o in outcomes if isinstance(o, Outcome)) == 1
     # Each image row got its own image, read with the chunk's, and waited on a job thread; the text row did not
     # go to the pool at all.
     assert set(pool.handed) == set(rows)

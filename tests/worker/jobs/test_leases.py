@@ -44,3 +44,24 @@ def test_beat_extends_held_and_reports_cancelled(tmp_path: Path) -> None:
     finally:
         keeper.close()
         db.dispose()
+
+
+def test_discard_says_when_the_last_held_job_of_a_batch_is_let_go(tmp_path: Path) -> None:
+    keeper = LeaseKeeper(Database(f"sqlite:///{tmp_path / 'db.sqlite'}"), "w1", lease_seconds=600,
+                         interval_seconds=3600)
+    try:
+        keeper.add("a1", "batch-a")
+        keeper.add("a2", "batch-a")
+        keeper.add("a2", "batch-a")  # held already: counted once
+        keeper.add("b1", "batch-b")
+        keeper.add("solo")  # a single job: no batch
+        assert keeper.discard("solo") is False
+        assert keeper.discard("a1") is False  # a2 of the same batch is still held
+        assert keeper.discard("b1") is True
+        assert keeper.discard("a2") is True
+        assert keeper.discard("a2") is False  # let go already
+        keeper.add("a3", "batch-a")  # the batch's rows may come back to this worker later
+        assert keeper.discard("a3") is True
+        assert keeper.held() == []
+    finally:
+        keeper.close()
