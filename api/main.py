@@ -21,6 +21,7 @@ from api.metrics import install_metrics
 from api.routes import batches, chat, datasets, files, health, images, jobs, models, status
 from common.broker.queue import make_celery
 from common.domain.served_model import served_model
+from common.images.decode import register_image_plugins
 from common.infra.db import get_database
 from common.infra.settings import Settings, get_settings
 from common.infra.storage import make_store
@@ -79,6 +80,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         await run_in_threadpool(served_model, settings.model)
         state: AppState = app.state.vlmq
         await run_in_threadpool(warm_up, [state.db], state.store, state.celery)
+        await run_in_threadpool(register_image_plugins)  # jobs' images are checked here
         await _match_no_route(app)
         yield
         await app.state.job_waiter.close()

@@ -10,6 +10,7 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from common.images.decode import register_image_plugins
 from common.infra.db import Database, get_database
 from common.infra.settings import Settings, get_settings
 from common.infra.storage import ObjectStore, make_store
@@ -77,6 +78,7 @@ def build_context(settings: Settings) -> WorkerContext:
                          on_lost=generator.abort)
     pipeline = JobPipeline(settings, db, store, generator, leases, worker_id, prepare_pool(settings, generator))
     warm_up([db, pipeline.writer.db], store)  # before the first message, not by it
+    register_image_plugins()
     telemetry = WorkerTelemetry(settings, generator, leases, worker_id, pipeline.clock,
                                 pipeline.prepare_pool).start()
     # A message may arrive while all but one of the worker's slots are taken (worker/jobs/prefetch_share.py): its

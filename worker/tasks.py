@@ -73,11 +73,13 @@ def warm_batch_context(app: Celery) -> None:
     """Make the batch context, and what its tasks import and connect to, before the first batch task arrives
     (common/infra/warm_up.py): the first batch's ingestion and finalization then run as fast as later ones."""
     from common.domain.served_model import served_model
+    from common.images.decode import register_image_plugins
     from common.infra.warm_up import warm_up
     from worker.batches import finalize, ingest, sweep  # noqa: F401  (imported by the tasks on first use)
 
     ctx = batch_context(app)
     warm_up([ctx.db], ctx.store, app)
+    register_image_plugins()  # ingestion checks each image
     if ctx.settings.model:
         served_model(ctx.settings.model)  # ingestion counts prompt tokens with the model's tokenizer
 

@@ -240,6 +240,14 @@ def _normalize_formats(allowed_formats: Collection[str]) -> tuple[str, ...]:
 _plugins_lock = threading.Lock()
 
 
+def register_image_plugins() -> None:
+    """Import every Pillow plugin now (a process's warm-up) rather than on its first image. Under a lock: a
+    worker's first jobs arrive on many threads at once, and each would import every plugin, queueing on the
+    import locks."""
+    with _plugins_lock:
+        Image.init()
+
+
 @functools.lru_cache(maxsize=64)
 def _normalized_formats(names: tuple[str, ...]) -> tuple[str, ...]:
     """Checked once per list of names: every image of every job names the same one."""
@@ -247,11 +255,8 @@ def _normalized_formats(names: tuple[str, ...]) -> tuple[str, ...]:
     if not allowed:
         raise ValueError("allowed_formats must name at least one format")
     # A typo in configuration would otherwise surface as a KeyError inside Image.open and be reported to
-    # users as a corrupt image. init() only registers plugins; it parses nothing. Under a lock: a worker's
-    # first jobs arrive on many threads at once, and each would import every plugin, queueing on the import
-    # locks.
-    with _plugins_lock:
-        Image.init()
+    # users as a corrupt image.
+    register_image_plugins()
     unknown = [name for name in allowed if name not in Image.OPEN]
     if unknown:
         raise ValueError(f"allowed_formats names formats Pillow cannot open: {', '.join(unknown)}")
