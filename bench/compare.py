@@ -13,8 +13,12 @@ processor resizing by Pillow instead of torch's kernel (VLMQ_IMAGE_RESIZE=pillow
 meets it: POST /v1/jobs over HTTP -> Postgres -> Redis -> `vlmq worker` -> S3 + SQL, polled until every job
 succeeded (bench/service_stack.py: each service its own process, with its own redis-server, Postgres cluster and
 the S3 server), (service_batch) the same stack fed through the OpenAI Batch API instead: one JSONL upload, until the
-batch completed and its output file was written (bench/service_submit.py), (vllm) vLLM's offline
-`LLM.generate` (bench/peers). The service's S3 server is moto's (`--s3 moto`, the tests' server) or rclone's
+batch completed and its output file was written (bench/service_submit.py), (run) `vlmq run` of the jobs as a
+batch file, a fresh process on embedded defaults, timed by the part of its run phase after its model was loaded
+(the whole run phase and its wall, imports and model load included, printed beside), (hfb_process) HF padded
+batches of 32 in a fresh process with transformers' own classes, timed by its wall, imports and load included
+(bench/run_system.py), (vllm) vLLM's offline `LLM.generate` (bench/peers). The service's S3 server is moto's
+(`--s3 moto`, the tests' server) or rclone's
 (`--s3 rclone`, a Go server as MinIO is; tests/s3_server.py); `--s3 moto,rclone` runs each service system
 against both, side by side, labelled `service+moto`, `service+rclone`. `--service-set LABEL:KEY=VALUE,...` adds a
 service system run with those settings on top (VLMQ_KEY=VALUE in each process), labelled `service+LABEL`, so a
@@ -155,6 +159,46 @@ def _data_url(image: Image.Image) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
+def _batch_line(custom_id: str, body: dict[str, Any]) -> dict[str, Any]:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body}
+
+
+def _request_body(job: GenerationRequest) -> dict[str, Any]:
+    """The job as a chat completion body, its image as a PNG data URL."""
+    image = {"type": "image_url", "image_url": {"url": _data_url(job.images[0])}} if job.images else None
+    messages = [{"role": m["role"], "content": [image if p["type"] == "image" else p for p in m["content"]]}
+                for m in job.messages]
+    return {"messages": messages, "max_tokens": job.sampling.max_tokens}
+
+
+def run_vlmq_file(path: Path, jobs: list[GenerationRequest], threads: int, work: Path, dtype: str) -> Run:
+    """`vlmq run` of the jobs as a batch file, a fresh process (bench/run_system.py): its run phase."""
+    from run_system import run_vlmq
+
+    phase, loaded, wall, texts = run_vlmq(path, [_batch_line(job.request_id, _request_body(job)) for job in jobs],
+                                          threads, work, dtype)
+    print(f"  run: run phase {phase:.2f} s, {loaded:.2f} s of it with the model loaded; wall {wall:.2f} s with "
+          "imports, model load and the output file")
+    return Run("run", loaded, texts)
+
+
+def run_hfb_process(path: Path, jobs: list[GenerationRequest], threads: int, work: Path, dtype: str) -> Run:
+    """HF padded batches of 32 in a fresh process (bench/hf_batch_process.py): its wall, imports and load in."""
+    from run_system import run_hf_process
+
+    work.mkdir(parents=True, exist_ok=True)
+    specs = []
+    for i, job in enumerate(jobs):
+        image = None
+        if job.images:
+            image = str(work / f"{i}.png")
+            job.images[0].save(image)
+        specs.append({"id": job.request_id, "messages": job.messages, "image": image,
+                      "max_tokens": job.sampling.max_tokens})
+    wall, tokens = run_hf_process(path, specs, threads, work, dtype)
+    return Run("hfb_process", wall, tokens)
+
+
 def run_service(path: Path, jobs: list[GenerationRequest], threads: int, work: Path, s3_endpoint: str,
                 s3_pid: int, dtype: str = "float32", batch: bool = False, profile: Path | None = None,
                 profile_cpu: bool = False, label: str | None = None, settings: dict[str, str] | None = None) -> Run:
@@ -171,12 +215,7 @@ def run_service(path: Path, jobs: list[GenerationRequest], threads: int, work: P
                          max_num_seqs=256, max_num_batched_tokens=4096, sweep_interval_seconds=5, **(settings or {}))
     try:
         stack.start(worker_concurrency=256, worker_threads=threads)
-        bodies = []
-        for job in jobs:
-            image = {"type": "image_url", "image_url": {"url": _data_url(job.images[0])}} if job.images else None
-            messages = [{"role": m["role"], "content": [image if p["type"] == "image" else p for p in m["content"]]}
-                        for m in job.messages]
-            bodies.append({"messages": messages, "max_tokens": job.sampling.max_tokens})
+        bodies = [_request_body(job) for job in jobs]
         custom_ids = [job.request_id for job in jobs]
         submission = (BatchSubmission if batch else JobSubmission)(stack, bodies, custom_ids)
         name = label or submission.system
@@ -497,6 +536,12 @@ def main() -> None:
                                                       profile_cpu=args.profile_cpu, label=label, settings=settings)
                                     repeats.setdefault(label, []).append(run)
                                 run = None
+                            elif system == "run":
+                                run = run_vlmq_file(path, jobs, args.threads, work / f"run-{name}-{kind}-{rep}",
+                                                    args.dtype)
+                            elif system == "hfb_process":
+                                run = run_hfb_process(path, jobs, args.threads, work / f"hfb-{name}-{kind}-{rep}",
+                                                      args.dtype)
                             elif system == "vllm":
                                 run = run_vllm(path, loaded, jobs, args.threads, work / f"vllm-{name}-{kind}-{rep}",
                                                args.dtype)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
@@ -118,15 +118,17 @@ def embedded_worker(app: Celery, settings: Settings, ready_timeout: float = 120.
             yield worker
 
 
-def load_in_background(settings: Settings) -> Future[None]:
+def load_in_background(settings: Settings, then: Callable[[], object] | None = None) -> Future[None]:
     """Load the worker's model (its context) on a thread of its own, beside whatever the caller does meanwhile
-    (`vlmq run` stores, checks and queues its input); the future says when it is loaded, or why it could not
-    be."""
+    (`vlmq run` stores, checks and queues its input), then call `then` there; the future says when that is
+    done, or why the model could not be loaded."""
     loaded: Future[None] = Future()
 
     def load() -> None:
         try:
             get_context(settings)
+            if then is not None:
+                then()
         except BaseException as exc:
             loaded.set_exception(exc)
         else:

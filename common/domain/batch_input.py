@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
+from sqlalchemy.orm import load_only
+from sqlalchemy.sql.base import ExecutableOption
 
 from common.domain import storable
 from common.domain.models import Job, JobStatus
@@ -142,6 +144,14 @@ STOPPED_BY = {
     "batch_cancelled": "the batch was cancelled before this request finished",
     "batch_expired": "the batch expired before this request finished",
 }
+
+
+def job_line_columns() -> ExecutableOption:
+    """The columns job_line reads, as a query option: a batch's rows are read for their lines without their
+    requests, which are the bulk of a row and parsed from JSON as it loads. Any other column raises."""
+    return load_only(Job.id, Job.custom_id, Job.line, Job.status, Job.model, Job.created_at, Job.result_text,
+                     Job.finish_reason, Job.prompt_tokens, Job.completion_tokens, Job.error_code, Job.error_message,
+                     raiseload=True)
 
 
 def job_line(job: Job, cancelled_code: str = "batch_cancelled") -> dict[str, Any]:

@@ -11,11 +11,12 @@ of them changes the row, the others see rowcount 0 and step back.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Connection, Integer, String, and_, any_, bindparam, column, func, or_, select, update
+from sqlalchemy import Connection, Integer, String, Text, and_, any_, bindparam, column, func, or_, select, update
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.elements import BindParameter
@@ -207,6 +208,23 @@ _PG_FINISH_MANY = (
 )
 
 
+# On SQLite the results come as one JSON array of rows, read by json_each: one statement for any group.
+_SQLITE_RESULTS = func.json_each(bindparam("results", type_=String())).table_valued("value").alias("results")
+
+
+def _sqlite_result(index: int, type_: Any) -> Any:
+    return func.json_extract(_SQLITE_RESULTS.c.value, f"$[{index}]", type_=type_)
+
+
+_SQLITE_FINISH_MANY = (
+    update(_JOBS)
+    .where(_held_by(_sqlite_result(0, String()), bindparam("worker", type_=String())))
+    .values(**_succeeded_values(_NOW, _sqlite_result(1, String()), _sqlite_result(2, Text()), _sqlite_result(
+        3, String()), _sqlite_result(4, Integer()), _sqlite_result(5, Integer())))
+    .returning(_JOBS.c.id)
+)
+
+
 def is_claimable_last_try(session: Session, job_id: str) -> bool:
     """Whether the job could be claimed now, for its last attempt (of several)."""
     stmt = select(Job.id).where(Job.id == job_id, _claimable(utcnow()), _is_last_try())
@@ -255,7 +273,10 @@ def finish_many(session: Session | Connection, worker_id: str, results: dict[str
     if not results:
         return set()
     if not _is_postgres(session):
-        return {job_id for job_id, result in results.items() if finish(session, job_id, worker_id, result)}
+        text_of = NulSafeText().process_bind_param
+        payload = json.dumps([[job_id, r.result_key, text_of(r.text, None), r.finish_reason, r.prompt_tokens,
+                               r.completion_tokens] for job_id, r in results.items()])
+        return set(session.scalars(_SQLITE_FINISH_MANY, {"results": payload, "worker": worker_id, "now": utcnow()}))
     rows = list(results.values())
     params = {"ids": list(results), "keys": [r.result_key for r in rows], "texts": [r.text for r in rows],
               "reasons": [r.finish_reason for r in rows], "prompt_tokens": [r.prompt_tokens for r in rows],

@@ -8,9 +8,9 @@ service on tiny jobs shows in the worker and the API alike. `gc.freeze()` moves 
 permanent generation that collections skip, so they scan only what was made since. vLLM does the same once its
 engine is up (vllm/utils/gc_utils.py, freeze_gc_heap).
 
-Called by process entry points once start-up is done (cli/main.py, the engine process), never by library
-code: a frozen object is never freed, which is right for a process's long-lived state and wrong for the test
-suite's short-lived stacks.
+Called by process entry points once start-up is done (cli/main.py, `vlmq run` once its model is loaded too;
+the engine process), never by library code: a frozen object is never freed, which is right for a process's
+long-lived state and wrong for the test suite's short-lived stacks.
 """
 
 from __future__ import annotations
@@ -22,11 +22,13 @@ import time
 log = logging.getLogger(__name__)
 
 
-def freeze_startup_heap() -> int:
-    """Collect what start-up left as garbage, then freeze every object still tracked; returns how many are
-    frozen now (this call's and any before)."""
+def freeze_startup_heap(collect: bool = True) -> int:
+    """Collect what start-up left as garbage (unless `collect` is False: where the process is already at work,
+    a full collection is the very pause to avoid), then freeze every object still tracked; returns how many
+    are frozen now (this call's and any before)."""
     started = time.perf_counter()
-    gc.collect()
+    if collect:
+        gc.collect()
     gc.freeze()
     frozen = gc.get_freeze_count()
     log.info("start-up heap frozen: %d objects out of the garbage collector's scans (%.0f ms)", frozen,

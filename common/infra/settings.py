@@ -61,7 +61,9 @@ class Settings(BaseSettings):
     # (any HF VLM, less efficient); "auto" picks the engine when it supports the model's family; "null" prepares
     # each request as the engine would and answers at once, to measure the queue alone (bench/queue_ceiling.py).
     backend: Literal["auto", "engine", "hf", "null"] = "auto"
-    worker_concurrency: int = Field(default=64, ge=1, description="Jobs one worker holds in flight.")
+    worker_concurrency: int = Field(
+        default=0, ge=0, description="Jobs one worker holds in flight; 0: twice max_num_seqs, so that the engine's "
+                                     "batch is full from the start and a finished job's place is taken at once.")
     max_batch_size: int = Field(default=32, ge=1, description="Jobs per generation batch.")
     batch_wait_ms: float = Field(default=20.0, ge=0, description="How long to gather a batch once one arrives.")
     kv_block_size: int = Field(default=16, ge=1)
@@ -225,6 +227,8 @@ class Settings(BaseSettings):
             self.storage_dir = self.data_dir / "objects"
         if not self.served_model_name and self.model:
             self.served_model_name = Path(self.model.rstrip("/")).name or self.model
+        if self.worker_concurrency == 0:
+            self.worker_concurrency = 2 * self.max_num_seqs
         if self.heartbeat_seconds == 0:
             self.heartbeat_seconds = self.lease_seconds / 3
         if self.heartbeat_seconds >= self.lease_seconds:

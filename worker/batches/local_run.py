@@ -12,6 +12,7 @@ import hashlib
 import json
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import Future
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ from sqlalchemy import func, select
 from common.broker.dispatch import top_up
 from common.broker.queue import make_celery, send_run_jobs
 from common.domain import batches
-from common.domain.batch_input import LineError, iter_lines, job_line, refused_line
+from common.domain.batch_input import LineError, iter_lines, job_line, job_line_columns, refused_line
 from common.domain.files import add_file, discard_files, file_key, open_reader, open_writer
 from common.domain.models import (
     BATCH_FINAL_STATUSES,
@@ -67,6 +68,8 @@ class RunSummary:
     counts: Counter[str] = field(default_factory=Counter)
     line_errors: list[LineError] = field(default_factory=list)
     elapsed_s: float = 0.0
+    # Of elapsed_s, the seconds before the model was loaded (it loads while the input is stored and checked).
+    loading_s: float = 0.0
     completion_tokens: int = 0
     # Jobs whose input line carried an expected answer (metadata.answer), and how many were answered so.
     expected: int = 0
@@ -144,21 +147,24 @@ def _start_batch(db: Database, store: ObjectStore, settings: Settings, input_pat
 
 
 def run_file(input_path: Path, output_path: Path, settings: Settings, console: Console | None = None,
-             images: Path | None = None) -> RunSummary:
+             images: Path | None = None, on_model_loaded: Callable[[], object] | None = None) -> RunSummary:
+    """`on_model_loaded`: called once the model is loaded, while the run goes on (the CLI freezes its heap)."""
     console = console or Console(stderr=True)
     check_output_path(input_path, output_path)
     if (unrunnable := unrunnable_input(input_path, settings)) is not None:
         return _refuse_file(unrunnable, output_path)
     settings = run_settings(settings, input_path)
     # The model loads while the database is readied and the input stored, checked and queued; jobs wait for it.
-    model_loaded = load_in_background(settings)
+    model_loaded = load_in_background(settings, then=on_model_loaded)
     upgrade(settings.database_url)
     db = get_database(settings.database_url)
     store = make_store(settings)
     app = make_celery(settings)
     summary = RunSummary()
     with embedded_worker(app, settings, model_loaded=model_loaded):
-        started = time.monotonic()  # throughput counts the jobs, not the model load
+        started = time.monotonic()  # throughput counts the jobs, not the imports
+        loaded_at: list[float] = []
+        model_loaded.add_done_callback(lambda _: loaded_at.append(time.monotonic()))
         summary.batch_id, _ = _start_batch(db, store, settings, input_path, images, console)
 
         def dispatch(model_settings: Settings, job_ids: list[str], priority: int) -> None:
@@ -172,6 +178,7 @@ def run_file(input_path: Path, output_path: Path, settings: Settings, console: C
                lambda _model, ids, priority: dispatch(settings, ids, priority))
         _wait(db, app, settings, summary, console, model_loaded)
         summary.elapsed_s = time.monotonic() - started
+        summary.loading_s = max(0.0, min(loaded_at or [started]) - started)
     _write_output(db, summary, output_path, _expected_answers(db, store, settings, summary.batch_id))
     return summary
 
@@ -221,8 +228,12 @@ def _expected_answers(db: Database, store: ObjectStore, settings: Settings, batc
 
 def _wait(db: Database, app: Any, settings: Settings, summary: RunSummary, console: Console,
           model_loaded: Future[None]) -> None:
+    """Show the run's progress until its batch ends. The counts are SQL's once, at the start (a resumed run's
+    finished jobs), then this process's worker's own as its jobs end (after_job.ended_jobs): counting the batch's
+    rows in SQL at every refresh would take the GIL and the database from the worker it waits for."""
     from common.broker.queue import send_finalize_batch
     from worker.batches.finalize import wait_for_a_batch_end
+    from worker.jobs.after_job import ended_jobs
 
     columns = (TextColumn("[bold]vlmq run"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[detail]}"),
                TimeElapsedColumn(), TimeRemainingColumn())
@@ -231,18 +242,21 @@ def _wait(db: Database, app: Any, settings: Settings, summary: RunSummary, conso
         assert batch is not None
         summary.total_lines = batch.total_requests
         summary.submitted = batch.total_requests - batch.refused_requests
+        ended_before = ended_jobs.of(summary.batch_id)
+        counts_before = Counter({s: n for s, n in _job_counts(session, summary.batch_id).items()
+                                 if s in TERMINAL_STATUSES})
     send_finalize_batch(app, settings, summary.batch_id)  # it may have ended while lines were still being read
     with Progress(*columns, console=console, transient=False) as progress:
         task = progress.add_task("jobs", total=summary.submitted, detail="")
         while True:
             with db.session() as session:
-                rows = session.execute(select(Job.status, func.count()).where(Job.batch_id == summary.batch_id)
-                                       .group_by(Job.status)).all()
                 status = session.scalar(select(Batch.status).where(Batch.id == summary.batch_id))
-            counts = Counter({s: n for s, n in rows})
+                final = status in BATCH_FINAL_STATUSES
+                counts = _job_counts(session, summary.batch_id) if final else (
+                    counts_before + ended_jobs.of(summary.batch_id) - ended_before)
             done = sum(n for s, n in counts.items() if s in TERMINAL_STATUSES)
             progress.update(task, completed=done, detail=" ".join(f"{s}={counts[s]}" for s in sorted(counts)))
-            if status in BATCH_FINAL_STATUSES:
+            if status is not None and final:
                 summary.counts, summary.status = counts, status
                 with db.session() as session:
                     batch = session.get(Batch, summary.batch_id)
@@ -251,6 +265,11 @@ def _wait(db: Database, app: Any, settings: Settings, summary: RunSummary, conso
             if model_loaded.done():
                 model_loaded.result()  # a model that could not load ends the run with its error
             wait_for_a_batch_end(PROGRESS_SECONDS)
+
+
+def _job_counts(session: Any, batch_id: str) -> Counter[str]:
+    rows = session.execute(select(Job.status, func.count()).where(Job.batch_id == batch_id).group_by(Job.status))
+    return Counter({status: n for status, n in rows})
 
 
 def _write_output(db: Database, summary: RunSummary, path: Path,
@@ -262,8 +281,8 @@ def _write_output(db: Database, summary: RunSummary, path: Path,
         refused = iter(session.scalars(select(BatchLineError).where(BatchLineError.batch_id == summary.batch_id)
                                        .order_by(BatchLineError.line)).all())
         pending = next(refused, None)
-        jobs = session.scalars(select(Job).where(Job.batch_id == summary.batch_id).order_by(Job.line)
-                               .execution_options(yield_per=ROWS_PER_READ))
+        jobs = session.scalars(select(Job).options(job_line_columns()).where(Job.batch_id == summary.batch_id)
+                               .order_by(Job.line).execution_options(yield_per=ROWS_PER_READ))
         for job in jobs:
             while pending is not None and pending.line < (job.line or 0):
                 pending = _write_refused(out, summary, pending, refused)

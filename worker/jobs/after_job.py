@@ -13,11 +13,14 @@ that ends elsewhere (reaped to `dead`), or a run lost with its process, is caugh
 
 from __future__ import annotations
 
+import threading
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from common.broker import dispatch
 from common.domain import batches
+from common.domain.models import TERMINAL_STATUSES
 from common.infra.db import Database
 from common.infra.debounce import Debouncer
 from worker.jobs.pipeline import Ending, Outcome
@@ -36,6 +39,26 @@ class AfterJobDeps:
     send_finalize: Callable[[str], None]  # finalize_batch for a batch id
 
 
+class EndedJobs:
+    """How many jobs of each batch ended in this process, by status: `vlmq run` shows its progress from these
+    rather than by counting its batch's rows in SQL while its worker writes them."""
+
+    def __init__(self) -> None:
+        self._counts: dict[str, Counter[str]] = {}
+        self._lock = threading.Lock()
+
+    def add(self, batch_id: str, status: str) -> None:
+        with self._lock:
+            self._counts.setdefault(batch_id, Counter())[status] += 1
+
+    def of(self, batch_id: str) -> Counter[str]:
+        with self._lock:
+            return Counter(self._counts.get(batch_id, ()))
+
+
+ended_jobs = EndedJobs()
+
+
 def has_follow_ups(outcome: Outcome) -> bool:
     """Whether the job ended on this worker: one to run again, or a duplicate delivery this worker skipped,
     has not, and nothing follows it (nor is anything built for it: a stand-in pipeline has no database)."""
@@ -50,6 +73,8 @@ def after_job(deps: AfterJobDeps, job_id: str, outcome: Outcome) -> None:
         db, tenant, model, deps.dispatch_window, deps.send_jobs))
     if outcome.batch_id is None:
         return  # a single job: no batch to finalize
+    if outcome.status in TERMINAL_STATUSES:
+        ended_jobs.add(outcome.batch_id, outcome.status)
 
     def finalize_if_done() -> None:
         with db.session() as session:
