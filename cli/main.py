@@ -13,6 +13,11 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+# Before anything imports torch: OpenMP's threads otherwise spin between parallel regions, taking the cores
+# from the Python threads that feed the engine (`vlmq run`'s engine in its own process; a worker's job threads
+# beside its engine process). A setting of the user's own is kept.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 from cli.api_client import ApiUrl, api_client
 from common.infra.logs import celery_flags, route_library_logs, setup_process_logging, uvicorn_log_config
 from common.infra.worker_registry import start_heartbeat

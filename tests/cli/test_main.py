@@ -135,3 +135,15 @@ def test_a_worker_that_stops_on_an_unrecoverable_error_exits_non_zero(tmp_path: 
                           capture_output=True, text=True, timeout=120)
     assert "Unrecoverable error" in proc.stdout + proc.stderr, proc.stderr[-3000:]
     assert proc.returncode == 1
+
+
+def test_the_command_makes_openmp_threads_wait_passively_unless_told_otherwise() -> None:
+    """An in-process engine's OpenMP threads spinning between parallel regions took the cores from the Python
+    threads feeding it, and a `vlmq run` of tiny jobs went several times slower, at random."""
+    script = "import os, cli.main; print(os.environ['OMP_WAIT_POLICY'])"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    got = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    assert got.stdout.strip() == "PASSIVE"
+    env["OMP_WAIT_POLICY"] = "ACTIVE"
+    got = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    assert got.stdout.strip() == "ACTIVE"
