@@ -90,7 +90,8 @@ class WindowImages:
     def store(self) -> None:
         """Write the rows of the window's new images and the tenant's owner rows: one round trip on Postgres.
         An owner row there already (another request of the tenant's stored the image meanwhile) is kept; the
-        line was answered with this copy's location, as store_image answers a packed copy."""
+        line was answered with this copy's location, as store_image answers a packed copy (a copy not packed
+        lies under the image's own key, which this window has just written)."""
         rows, self._rows = self._rows, []
         self._unwritten.clear()
         insert_images(self.session, rows, self.tenant)
@@ -99,7 +100,8 @@ class WindowImages:
         if url.startswith("data:"):
             return self._data_url(url)
         match = IMAGE_ID_RE.match(url)
-        if self._unwritten and (match is None or match.group(1) in self._unwritten):
+        remote = url[:8].lower().startswith(("http://", "https://"))
+        if self._unwritten and (remote or (match is not None and match.group(1) in self._unwritten)):
             self.store()  # what compute looks up or inserts must see the window's new images, as before
         resolved = compute()
         # A data: URL of the same bytes later in the window is answered as store_image would: from its row.

@@ -17,6 +17,7 @@ from sqlalchemy import func, select
 from common.domain.batch_input import LineError
 from common.domain.models import ImageOwner
 from common.domain.schemas import ChatCompletionRequest
+from common.images import refs
 from common.images.cache import ImageCache
 from common.images.pack import ImagePack
 from common.images.refs import ResolvedImage
@@ -86,6 +87,31 @@ def test_the_same_bytes_twice_and_by_id_in_one_window(settings: Settings, db: Da
     with db.session() as session:
         assert session.scalar(select(func.count()).select_from(ImageOwner)
                               .where(ImageOwner.image_id == ref.sha256)) == 1
+
+
+def test_remote_images_meet_the_windows_own(settings: Settings, db: Database, store: ObjectStore,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A remote URL serving bytes the window stored from a data: URL finds them, and a data: URL of bytes a
+    remote URL brought earlier in the window is answered from them: each line as store_image answered it."""
+    first, second = fresh_png(1), fresh_png(2)
+    served = {"https://pictures.example/first.png": first, "https://pictures.example/second.png": second}
+
+    class Fetcher:
+        def fetch(self, url: str) -> bytes:
+            return served[url]
+
+    monkeypatch.setattr(refs, "fetcher_for", lambda settings: Fetcher())
+    remote = settings.model_copy(update={"image_urls_enabled": True})
+    lines = [url_line("data-first", data_url(first)), url_line("remote-first", "https://pictures.example/first.png"),
+             url_line("remote-second", "https://pictures.example/second.png"),
+             url_line("data-second", data_url(second))]
+    batch_id = make_batch(db, store, ("\n".join(lines) + "\n").encode())
+    assert ingest_batch(batch_id, IngestDeps(remote, db, store, Recorder())) == "in_progress"
+    assert line_errors(db, batch_id) == []
+    found = {job.custom_id: image_refs(job.request) for job in batch_jobs(db, batch_id)}
+    assert found["data-first"] == found["remote-first"] and found["remote-second"] == found["data-second"]
+    reader = ImageReader(store)
+    assert [reader.read(found[name][0]) for name in ("data-first", "data-second")] == [first, second]
 
 
 def test_a_line_refused_before_it_reaches_an_image_leaves_it_unstored(settings: Settings, db: Database,
