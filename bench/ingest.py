@@ -7,7 +7,8 @@
 distinct images (each reused rows/images times), is stored in a local object folder; a batch row is created
 and `worker.batches.ingest.ingest_batch` runs in a fresh child process (so its peak RSS, VmHWM, is the ingestion's
 alone) with a real Celery app dispatching to a throwaway Redis db number. Prints rows/s, peak RSS, the image
-rows and objects written (must equal the distinct images), and the messages that reached Redis.
+rows written (must equal the distinct images), the objects holding them (one per image, or packs), and the
+messages that reached Redis.
 
 `api`: the real app (`api.main:create_app`) in --workers uvicorn processes (one port each), Postgres, Redis broker,
 local object folder, auth on (one API key), no worker consuming. A raw keep-alive HTTP/1.1 client (bench/
@@ -182,7 +183,9 @@ def ingest_once(env: Environment, jsonl: Path, code: Path, chunk_rows: int | Non
     with db.session() as session:
         result["jobs"] = session.scalar(select(func.count()).select_from(Job).where(Job.batch_id == batch_id))
         result["image_rows"] = session.scalar(select(func.count()).select_from(ImageRecord))
-    result["image_objects"] = sum(1 for _ in (objects / "images").iterdir())
+    # New images go into packs unless VLMQ_IMAGE_PACK_BYTES=0: either folder may be missing.
+    result["image_objects"], result["packs"] = ((sum(1 for _ in (objects / d).iterdir()) if (objects / d).is_dir()
+                                                 else 0) for d in ("images", "packs"))
     result["redis_messages"] = env.redis_messages()
     return result
 
@@ -245,8 +248,8 @@ def run_ingest(args: argparse.Namespace) -> None:
             print(f"{kind:8s} code={code}: {statistics.median(rates):,.0f} rows/s (runs: "
                   f"{', '.join(f'{x:,.0f}' for x in rates)}), peak RSS {max(x['peak_rss_mb'] for x in runs):.0f} MB "
                   f"(at start {r['rss_before_mb']:.0f} MB), ingester CPU {statistics.median(cpu):.0f} us/row, "
-                  f"status {r['status']}, jobs {r['jobs']}, image rows "
-                  f"{r['image_rows']}, image objects {r['image_objects']}, messages in Redis {r['redis_messages']}, "
+                  f"status {r['status']}, jobs {r['jobs']}, image rows {r['image_rows']}, image objects "
+                  f"{r['image_objects']}, packs {r['packs']}, messages in Redis {r['redis_messages']}, "
                   f"chunk {r['chunk_rows']}", flush=True)
 
 

@@ -8,8 +8,9 @@ refused.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from functools import partial
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
@@ -20,13 +21,21 @@ from common.domain.models import DEFAULT_TENANT, Job
 from common.domain.prompt_size import check_prompt_size
 from common.domain.schemas import ChatCompletionRequest, ImagePart, JobCreate, TextPart
 from common.domain.submission_error import SubmissionError
-from common.images.cache import ImageCache
 from common.images.pack import ImagePack, without_locations
 from common.images.refs import ResolvedImage, known_image, resolve_image
 from common.infra.settings import Settings
 from common.infra.storage import ObjectStore
 
-__all__ = ["SubmissionError", "job_fields", "needs_session", "normalize_request", "resolve_model", "submit_job"]
+__all__ = ["ImageResolver", "SubmissionError", "job_fields", "needs_session", "normalize_request", "resolve_model",
+           "submit_job"]
+
+
+class ImageResolver(Protocol):
+    """Where normalize_request resolves an image reference through: an ingestion run's ImageCache
+    (common/images/cache.py), or a window of its lines (worker/batches/image_window.py). `compute` resolves it
+    alone (common/images/refs.py resolve_image)."""
+
+    def resolve(self, url: str, compute: Callable[[], ResolvedImage]) -> ResolvedImage: ...
 
 
 def needs_session(req: ChatCompletionRequest, tenant: str = DEFAULT_TENANT) -> bool:
@@ -37,7 +46,7 @@ def needs_session(req: ChatCompletionRequest, tenant: str = DEFAULT_TENANT) -> b
 
 def normalize_request(
     req: ChatCompletionRequest, session: Session | None, store: ObjectStore, settings: Settings,
-    images: ImageCache[ResolvedImage] | None = None, tenant: str = DEFAULT_TENANT,
+    images: ImageResolver | None = None, tenant: str = DEFAULT_TENANT,
     model_files: str | Literal["served"] | None = "served", pack: ImagePack | None = None,
 ) -> dict[str, Any]:
     """The job's stored request: messages with images replaced by content hashes, and sampling. Images named

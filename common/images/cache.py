@@ -52,6 +52,11 @@ class ImageCache(Generic[Resolved]):
             raise copy.copy(entry)
         return entry
 
+    def __contains__(self, url: str) -> bool:
+        """Whether `resolve` would answer `url` from memory (counted as neither a hit nor a miss)."""
+        return (url.startswith(("data:", "img_", "vlmq://"))
+                and hashlib.sha256(url.encode()).digest() in self._entries)
+
     def clear(self) -> None:
         """Forget everything (a transaction that stored images rolled back)."""
         self._entries.clear()

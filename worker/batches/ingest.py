@@ -7,7 +7,9 @@ Memory stays bounded whatever the file's size: lines are read from object storag
 at most `ingest_chunk_rows` lines is held at a time (requests with images already replaced by content hashes),
 and duplicate custom_ids are found by a unique index in SQL rather than a set of every id seen. The first chunk
 holds `ingest_first_chunk_rows` lines and each next one doubles, so a batch's first jobs reach the workers
-before a whole chunk of lines has been checked.
+before a whole chunk of lines has been checked. Within a chunk, lines are checked a window at a time
+(worker/batches/image_window.py): the data: URL images of a window are looked up and written with one SQL
+statement each, not two per image.
 
 Crash safety: a chunk's job rows, its refused lines and the batch's resume point (`ingested_lines`) commit in
 one transaction. Job rows are written unsent; after each chunk, common.broker.dispatch tops up the tenant's window
@@ -28,7 +30,7 @@ from sqlalchemy.orm import Session
 
 from common.broker import dispatch
 from common.domain import batches
-from common.domain.batch_input import LineError, duplicate_error, iter_lines, parse_line
+from common.domain.batch_input import LineError, duplicate_error, iter_lines
 from common.domain.files import open_reader
 from common.domain.models import Batch, BatchLineError, BatchStatus, FileRecord, Job, JobStatus, new_id, utcnow
 from common.domain.submission import SubmissionError, normalize_request, resolve_model
@@ -39,6 +41,7 @@ from common.infra.db import Database
 from common.infra.settings import Settings
 from common.infra.storage import ObjectNotFound, ObjectStore
 from worker.batches.dataset import DatasetError, index_archive, iter_csv_lines, resolve_paths
+from worker.batches.image_window import Parsed, WindowImages, read_window
 
 log = logging.getLogger(__name__)
 
@@ -169,24 +172,32 @@ def _ingest_chunk(
     line_of: dict[str, int] = {}  # custom_id -> line, for this chunk's accepted lines
     taken = last = 0
     now = utcnow()
-    for number, item in itertools.islice(lines, size):
-        taken, last = taken + 1, number
-        accepted = _accept(session, deps, run, number, item, line_of)
-        if isinstance(accepted, LineError):
-            errors.append(accepted)
-            if accepted.custom_id:
-                run.refused_ids.add(accepted.custom_id)
-            continue
-        custom_id, request = accepted
-        line_of[custom_id] = number
-        rows.append({
-            "id": new_id("job"), "tenant": run.tenant, "dispatched_at": None,
-            "status": JobStatus.QUEUED, "model": run.model_settings.served_model_name,
-            "priority": settings.batch_priority, "request": request, "metadata_": None, "idempotency_key": None,
-            "batch_id": run.batch_id, "custom_id": custom_id, "line": number, "attempts": 0,
-            "max_attempts": settings.max_attempts,
-            "created_at": now,
-        })
+    chunk = itertools.islice(lines, size)
+    while True:
+        # A window of lines at a time: its new images cost a few SQL round trips in all, not two each.
+        images = WindowImages(session, deps.store, settings, run.tenant, run.pack, run.images)
+        window = read_window(chunk, images)
+        if not window:
+            break
+        images.lookup()
+        for number, parsed in window:
+            taken, last = taken + 1, number
+            accepted = _accept(session, deps, run, number, parsed, line_of, images)
+            if isinstance(accepted, LineError):
+                errors.append(accepted)
+                if accepted.custom_id:
+                    run.refused_ids.add(accepted.custom_id)
+                continue
+            custom_id, request = accepted
+            line_of[custom_id] = number
+            rows.append({
+                "id": new_id("job"), "tenant": run.tenant, "dispatched_at": None,
+                "status": JobStatus.QUEUED, "model": run.model_settings.served_model_name,
+                "priority": settings.batch_priority, "request": request, "metadata_": None,
+                "idempotency_key": None, "batch_id": run.batch_id, "custom_id": custom_id, "line": number,
+                "attempts": 0, "max_attempts": settings.max_attempts, "created_at": now,
+            })
+        images.store()
     if taken == 0:
         return _ChunkResult([], done_line, True)
     inserted = _insert_jobs(session, rows)
@@ -206,11 +217,11 @@ def _ingest_chunk(
 
 
 def _accept(
-    session: Session, deps: IngestDeps, run: _Run, number: int, item: str | LineError, line_of: dict[str, int],
+    session: Session, deps: IngestDeps, run: _Run, number: int, parsed: Parsed, line_of: dict[str, int],
+    images: WindowImages,
 ) -> tuple[str, dict[str, Any]] | LineError:
     """(custom_id, stored request) for a line that can run, else its error: the same checks as `vlmq run`
-    and POST /v1/jobs, images validated and stored once under their content hash."""
-    parsed = item if isinstance(item, LineError) else parse_line(number, item)
+    and POST /v1/jobs, images validated and stored once under their content hash (through `images`)."""
     if isinstance(parsed, LineError):
         return parsed
     custom_id, req = parsed
@@ -221,7 +232,7 @@ def _accept(
         return missing
     try:
         resolve_model(None if deps.any_model else req.model, run.model_settings)
-        return custom_id, normalize_request(req, session, deps.store, deps.settings, run.images, pack=run.pack,
+        return custom_id, normalize_request(req, session, deps.store, deps.settings, images, pack=run.pack,
                                               tenant=run.tenant, model_files=run.model_files)
     except SubmissionError as exc:
         return LineError(number, custom_id, exc.code, f"line {number}: {exc}", exc.param)

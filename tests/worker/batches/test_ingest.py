@@ -7,7 +7,10 @@ job ids a chunk sent, so a test can fail it to play a crash between commit and d
 from __future__ import annotations
 
 import hashlib
+import io
 import json
+import random
+import re
 import threading
 import time
 import uuid
@@ -17,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import func, select
+from PIL import Image
+from sqlalchemy import event, func, select
 
 from common.domain import batches, jobs
 from common.domain.batch_input import iter_lines
@@ -25,7 +29,7 @@ from common.domain.files import add_file, file_key, open_reader
 from common.domain.models import Batch, BatchLineError, FileRecord, Job, new_file_id
 from common.domain.views import chat_completion
 from common.images.pack import PACK_PREFIX
-from common.images.stored import owned_image, store_image
+from common.images.stored import owned_image, owned_images, store_image
 from common.infra.db import Database, get_database
 from common.infra.migrate import upgrade
 from common.infra.settings import Settings
@@ -569,3 +573,75 @@ def test_lines_over_the_models_context_or_the_caps_are_refused(settings: Setting
         errors = {e.custom_id: e for e in session.scalars(select(BatchLineError)
                                                           .where(BatchLineError.batch_id == batch_id))}
     assert errors["long"].param == "messages" and "takes at most 255 prompt tokens" in errors["long"].message
+
+
+def _image_statements(db: Database) -> tuple[list[str], Callable[[], None]]:
+    """The SQL statements about images and their owners sent from now on, and how to stop recording them."""
+    sent: list[str] = []
+
+    def record(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if re.search(r"\b(images|image_owners)\b", statement):
+            sent.append(statement)
+
+    event.listen(db.engine, "before_cursor_execute", record)
+    return sent, lambda: event.remove(db.engine, "before_cursor_execute", record)
+
+
+def test_a_chunks_images_cost_a_few_round_trips_and_get_the_answers_they_got_alone(
+        settings: Settings, db: Database, store: ObjectStore) -> None:
+    """A chunk's data: URL images are looked up and written a window of lines at a time
+    (worker/batches/image_window.py): the statements about images do not grow with their number, and every
+    line gets what store_image gave it alone, refusals included."""
+    one_chunk = settings.model_copy(update={"ingest_first_chunk_rows": 200, "ingest_chunk_rows": 200,
+                                            "max_image_bytes": 4096})
+    seed = uuid.uuid4().bytes  # images no other test stored
+    pictures = [png_bytes((seed[0], seed[1], i), (3 + i % 10, 2 + i // 10)) for i in range(100)]
+    mine, theirs = png_bytes((seed[2], 1, 1)), png_bytes((seed[2], 2, 2))
+    junk = png_bytes((seed[2], 3, 3))[:40]  # a truncated PNG
+    noise = random.Random(seed).randbytes(48 * 48 * 3)
+    big = io.BytesIO()
+    Image.frombytes("RGB", (48, 48), noise).save(big, format="PNG")  # over one_chunk's max_image_bytes
+    earlier = make_batch(db, store, (line("mine", image=mine) + "\n").encode())
+    assert ingest_batch(earlier, IngestDeps(one_chunk, db, store, Recorder())) == "in_progress"
+    [mine_ref] = image_refs(batch_jobs(db, earlier)[0].request)
+    with db.session() as session:
+        store_image(session, store, theirs, one_chunk, "someone-else")  # an object of its own, no pack
+    lines = [line(f"p{i}", image=picture) for i, picture in enumerate(pictures)]
+    extra = {5: line("junk", image=junk), 10: line("mine", image=mine), 20: line("theirs", image=theirs),
+             30: line("big", image=big.getvalue()), 40: line("text"), 50: line("again-3", image=pictures[3]),
+             80: line("again-70", image=pictures[70]), 90: line("junk-again", image=junk),
+             95: line("bad-base64", image=b"x").replace(data_url(b"x"), "data:image/png;base64,@@")}
+    for at in sorted(extra, reverse=True):
+        lines.insert(at, extra[at])
+    batch_id = make_batch(db, store, ("\n".join(lines) + "\n").encode())
+    sent, stop = _image_statements(db)
+    try:
+        assert ingest_batch(batch_id, IngestDeps(one_chunk, db, store, Recorder())) == "in_progress"
+    finally:
+        stop()
+    # 109 lines, 101 new images: two windows, each one SELECT and one INSERT.
+    assert len(lines) == 109 and len(sent) <= 4, sent
+    errors = line_errors(db, batch_id)
+    assert [(custom_id, code) for _, custom_id, code in errors] == [
+        ("junk", "invalid_image"), ("big", "image_too_large"), ("junk-again", "invalid_image"),
+        ("bad-base64", "invalid_image")]
+    with db.session() as session:
+        messages = {e.custom_id: e.message for e in session.scalars(
+            select(BatchLineError).where(BatchLineError.batch_id == batch_id))}
+    assert messages["big"].endswith(f"image is {len(big.getvalue())} bytes; the limit is 4096")
+    assert "truncated or corrupt" in messages["junk"] and "invalid base64" in messages["bad-base64"]
+    created = {job.custom_id: job for job in batch_jobs(db, batch_id)}
+    refs = {custom_id: image_refs(job.request) for custom_id, job in created.items()}
+    reader = ImageReader(store)
+    for i, picture in enumerate(pictures):
+        [ref] = refs[f"p{i}"]
+        assert ref.pack is not None and reader.read(ref) == picture
+    assert refs["again-3"] == refs["p3"] and refs["again-70"] == refs["p70"]
+    assert refs["mine"] == [mine_ref]  # the tenant's own: its row, where an earlier batch packed it
+    # Only another tenant's: stored again, into this batch's pack, and answered from this copy.
+    [their_ref] = refs["theirs"]
+    assert their_ref.pack is not None and reader.read(their_ref) == theirs
+    assert refs["text"] == []
+    with db.session() as session:
+        owned = owned_images(session, "default", [hashlib.sha256(p).hexdigest() for p in [*pictures, theirs]])
+    assert len(owned) == 101
