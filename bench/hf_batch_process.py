@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+import time
 
 import torch
 from PIL import Image
@@ -28,6 +30,7 @@ def main() -> None:
     args = parser.parse_args()
     with open(args.jobs) as f:
         jobs = json.load(f)
+    imported = time.perf_counter()
     processor = AutoProcessor.from_pretrained(args.model)
     model = AutoModelForImageTextToText.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).eval()
     tokenizer = processor.tokenizer
@@ -36,6 +39,7 @@ def main() -> None:
     eos_ids = {int(t) for t in (eos if isinstance(eos, list) else [eos]) + [tokenizer.eos_token_id] if t is not None}
     tokenizer.padding_side = "left"
     out: dict[str, list[int]] = {}
+    loaded = time.perf_counter()
     for start in range(0, len(jobs), args.batch_size):
         batch = jobs[start:start + args.batch_size]
         prompts = [processor.apply_chat_template(job["messages"], add_generation_prompt=True, tokenize=False)
@@ -52,6 +56,8 @@ def main() -> None:
             out[job["id"]] = tokens if end is None else tokens[:end + 1]
     with open(args.tokens, "w") as f:
         json.dump(out, f)
+    print(f"loaded in {loaded - imported:.2f} s, generated in {time.perf_counter() - loaded:.2f} s",
+          file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -69,4 +69,5 @@ def run_hf_process(path: Path, jobs: list[dict[str, Any]], threads: int, work: P
     wall = time.perf_counter() - started
     if done.returncode != 0:
         raise RuntimeError(f"HF batches failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    print(f"  hfb_process: wall {wall:.2f} s; {done.stderr.strip().splitlines()[-1]}")
     return wall, json.loads(tokens.read_text())

@@ -103,12 +103,27 @@ def _load(wait: bool) -> ModuleType | None:
 
 
 def _build_name() -> tuple[str, Path]:
-    from torch.utils import cpp_extension
-
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS)) + " ".join(CFLAGS).encode()
                             + _cpu_signature().encode() + torch.__version__.encode() + BUILD_SCHEME)
     name = f"{PREFIX}_{digest.hexdigest()[:12]}"  # a new source, CPU, torch or scheme gets a new build
-    return name, Path(cpp_extension._get_build_directory(name, verbose=False))
+    return name, _build_directory(name)
+
+
+def _build_directory(name: str) -> Path:
+    """The folder cpp_extension would build `name` in (TORCH_EXTENSIONS_DIR, else torch's per-user cache
+    folder, one per Python and accelerator), worked out here: importing cpp_extension imports setuptools, a
+    share of every process's start-up before its model can run. The build is given this folder, so the two
+    cannot differ."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:
+        from torch import _appdirs  # what cpp_extension's default root is made of (a module of its own)
+
+        hip, cuda = torch.version.hip, torch.version.cuda
+        accelerator = f"rocm{hip.replace('.', '')}" if hip else f"cu{cuda.replace('.', '')}" if cuda else "cpu"
+        python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+        root = os.path.join(os.path.realpath(_appdirs.user_cache_dir(appname="torch_extensions")),
+                            f"{python}_{accelerator}")
+    return Path(root) / name
 
 
 def _import_built(name: str, build_dir: Path) -> ModuleType | None:
@@ -139,7 +154,7 @@ def _build_holding_lock(name: str, build_dir: Path) -> ModuleType:
         if leftover.name not in (BUILDER_LOCK, BUILD_LOG):
             shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
     log.info("building the CPU kernels %s (once per machine, ~1 min)", name)
-    module = compile_module(name, CFLAGS)
+    module = compile_module(name, CFLAGS, build_dir)
     (build_dir / DONE).write_text(f"{name}.so\n")
     return module
 
@@ -166,7 +181,8 @@ def compile_kernel(name: str, cflags: list[str]) -> PagedDecodeAttention:
     return compile_module(name, cflags).paged_decode_attention
 
 
-def compile_module(name: str, cflags: list[str]) -> ModuleType:
+def compile_module(name: str, cflags: list[str], build_dir: Path | None = None) -> ModuleType:
+    """`build_dir`: where to build (default: cpp_extension's folder for `name`)."""
     from torch.utils import cpp_extension
 
     try:
@@ -175,8 +191,9 @@ def compile_module(name: str, cflags: list[str]) -> ModuleType:
         os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
     except ImportError:
         pass
-    return cpp_extension.load(name=name, sources=[str(p) for p in SOURCES],
-                              extra_cflags=cflags, extra_ldflags=["-fopenmp"], verbose=False)
+    return cpp_extension.load(name=name, sources=[str(p) for p in SOURCES], extra_cflags=cflags,
+                              extra_ldflags=["-fopenmp"], verbose=False,
+                              build_directory=None if build_dir is None else str(build_dir))
 
 
 def _import(name: str, path: Path) -> ModuleType:

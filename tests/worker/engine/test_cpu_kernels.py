@@ -3,6 +3,9 @@ on and off; PackedLinear against F.linear."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -91,7 +94,7 @@ def test_kernel_unavailable_means_the_torch_path(monkeypatch: pytest.MonkeyPatch
         raise RuntimeError("g++: not found")
 
     monkeypatch.setattr(cpu_kernels, "_loaded", {})
-    monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose: str(tmp_path))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.setattr(cpp_extension, "load", no_compiler)
     assert cpu_kernels.paged_decode_attention(wait=True) is None
 
@@ -172,6 +175,7 @@ def test_a_build_killed_midway_leaves_nothing_that_blocks(monkeypatch: pytest.Mo
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     name, build_dir = cpu_kernels._build_name()
+    build_dir.mkdir(parents=True)
     builder = subprocess.Popen([sys.executable, "-c", f"""
 import fcntl, pathlib, sys, time
 d = pathlib.Path({str(build_dir)!r})
@@ -187,7 +191,8 @@ time.sleep(600)
     builder.wait()
     assert (build_dir / "lock").exists()
 
-    def compile_cleanly(module_name: str, cflags: list[str]) -> object:
+    def compile_cleanly(module_name: str, cflags: list[str], build_directory: Path | None = None) -> object:
+        assert build_directory == build_dir
         assert module_name == name and sorted(p.name for p in build_dir.iterdir()) == [cpu_kernels.BUILDER_LOCK]
         (build_dir / f"{name}.so").write_bytes(b"built")
         return "the module"
@@ -245,3 +250,20 @@ def test_few_sequences_split_their_kv_heads_across_tasks(kernel: cpu_kernels.Pag
     q = torch.randn(batch, heads, dim, generator=gen)
     got = kernel(q, k_cache, v_cache, tables, lens, 0.25)
     torch.testing.assert_close(got, _gather_sdpa(q, k_cache, v_cache, tables, lens, 0.25), atol=2e-5, rtol=2e-5)
+
+
+def test_the_build_folder_is_cpp_extensions_own_without_importing_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Worked out without importing cpp_extension (which imports setuptools at every start), and the same
+    folder cpp_extension itself would pick, with and without TORCH_EXTENSIONS_DIR."""
+    from torch.utils import cpp_extension
+
+    for root in (None, "/tmp/vlmq-extensions"):
+        if root is None:
+            monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+        else:
+            monkeypatch.setenv("TORCH_EXTENSIONS_DIR", root)
+        monkeypatch.setattr(os, "makedirs", lambda *args, **kwargs: None)  # cpp_extension makes the folder
+        assert cpu_kernels._build_directory("vlmq_x") == Path(cpp_extension._get_build_directory("vlmq_x", False))
+    script = "import sys, worker.engine.cpu_kernels as k; k._build_name(); print('setuptools' in sys.modules)"
+    got = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert got.stdout.strip() == "False"
