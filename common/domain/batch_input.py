@@ -9,16 +9,14 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import ValidationError
-from sqlalchemy.orm import load_only
-from sqlalchemy.sql.base import ExecutableOption
 
 from common.domain import storable
 from common.domain.models import Job, JobStatus
 from common.domain.schemas import ChatCompletionRequest
-from common.domain.views import row_completion
+from common.domain.views import CompletionRow, row_completion
 
 CHAT_URL = "/v1/chat/completions"
 _BOM = b"\xef\xbb\xbf"
@@ -146,15 +144,22 @@ STOPPED_BY = {
 }
 
 
-def job_line_columns() -> ExecutableOption:
-    """The columns job_line reads, as a query option: a batch's rows are read for their lines without their
-    requests, which are the bulk of a row and parsed from JSON as it loads. Any other column raises."""
-    return load_only(Job.id, Job.custom_id, Job.line, Job.status, Job.model, Job.created_at, Job.result_text,
-                     Job.finish_reason, Job.prompt_tokens, Job.completion_tokens, Job.error_code, Job.error_message,
-                     raiseload=True)
+class LineRow(CompletionRow, Protocol):
+    """What job_line reads of a job: a Job, or a row of JOB_LINE_COLUMNS."""
+
+    custom_id: str | None
+    status: str
+    error_code: str | None
+    error_message: str | None
 
 
-def job_line(job: Job, cancelled_code: str = "batch_cancelled") -> dict[str, Any]:
+# The columns job_line reads: a batch's lines are built from rows of these alone, without the ORM's instances
+# and without the requests, the bulk of a row, parsed from JSON as it loads.
+JOB_LINE_COLUMNS = (Job.id, Job.custom_id, Job.line, Job.status, Job.model, Job.created_at, Job.result_text,
+                    Job.finish_reason, Job.prompt_tokens, Job.completion_tokens, Job.error_code, Job.error_message)
+
+
+def job_line(job: LineRow, cancelled_code: str = "batch_cancelled") -> dict[str, Any]:
     """Output line of a finished job, OpenAI batch format. A succeeded job's chat.completion is built from its
     row, which holds everything the worker put in the result object; the row is the truth, and reading it
     costs no object GET per line. A failed request carries the error body the endpoint would have answered

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+from datetime import datetime
+from typing import Any, Protocol
 
 from common.domain.models import Job, JobStatus
 from common.domain.schemas import JobError, JobResultView, JobView, Usage
@@ -51,7 +52,19 @@ def chat_completion(
     }
 
 
-def row_completion(job: Job) -> dict[str, Any]:
+class CompletionRow(Protocol):
+    """What row_completion reads of a job: a Job, or a row of just these columns."""
+
+    id: str
+    model: str
+    created_at: datetime
+    result_text: str | None
+    finish_reason: str | None
+    prompt_tokens: int | None
+    completion_tokens: int | None
+
+
+def row_completion(job: CompletionRow) -> dict[str, Any]:
     """A succeeded job's chat.completion built from its row, which holds everything a result object would."""
     return chat_completion(job.id, job.model, int(job.created_at.timestamp()), job.result_text or "",
                            job.finish_reason or "stop", job.prompt_tokens or 0, job.completion_tokens or 0)

@@ -21,7 +21,7 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from common.domain import batches, jobs
-from common.domain.batch_input import LineError, job_line, job_line_columns, refused_line
+from common.domain.batch_input import JOB_LINE_COLUMNS, LineError, job_line, refused_line
 from common.domain.file_expiry import ExpiresAfter
 from common.domain.files import ObjectWriter, add_file, open_writer
 from common.domain.models import Batch, BatchLineError, BatchStatus, FileRecord, Job, JobStatus, new_file_id
@@ -207,9 +207,9 @@ def _write_lines(batch_id: str, db: Database, output: _JsonlObject, errors: _Jso
             tally.failed += 1
             error = LineError(err.line, err.custom_id, err.code, err.message)
             errors.add(refused_line(error, f"batch_req_{batch_id}_line{err.line}"))
-        stmt = (select(Job).options(job_line_columns()).where(Job.batch_id == batch_id).order_by(Job.id)
+        stmt = (select(*JOB_LINE_COLUMNS).where(Job.batch_id == batch_id).order_by(Job.id)
                 .execution_options(yield_per=ROWS_PER_READ))
-        for job in session.scalars(stmt):
+        for job in session.execute(stmt):
             line = job_line(job, stopped_code)
             if job.status == JobStatus.SUCCEEDED:
                 tally.completed += 1

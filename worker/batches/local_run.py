@@ -26,7 +26,7 @@ from sqlalchemy import func, select
 from common.broker.dispatch import top_up
 from common.broker.queue import make_celery, send_run_jobs
 from common.domain import batches
-from common.domain.batch_input import LineError, iter_lines, job_line, job_line_columns, refused_line
+from common.domain.batch_input import JOB_LINE_COLUMNS, LineError, iter_lines, job_line, refused_line
 from common.domain.files import add_file, discard_files, file_key, open_reader, open_writer
 from common.domain.models import (
     BATCH_FINAL_STATUSES,
@@ -281,7 +281,7 @@ def _write_output(db: Database, summary: RunSummary, path: Path,
         refused = iter(session.scalars(select(BatchLineError).where(BatchLineError.batch_id == summary.batch_id)
                                        .order_by(BatchLineError.line)).all())
         pending = next(refused, None)
-        jobs = session.scalars(select(Job).options(job_line_columns()).where(Job.batch_id == summary.batch_id)
+        jobs = session.execute(select(*JOB_LINE_COLUMNS).where(Job.batch_id == summary.batch_id)
                                .order_by(Job.line).execution_options(yield_per=ROWS_PER_READ))
         for job in jobs:
             while pending is not None and pending.line < (job.line or 0):
