@@ -5,10 +5,12 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
-import httpx
 import typer
+
+if TYPE_CHECKING:
+    import httpx
 
 ApiUrl = Annotated[str, typer.Option("--api-url", envvar="VLMQ_API_URL",
                                      help="Base URL of a vlmq API (its key: VLMQ_API_KEY).")]
@@ -19,6 +21,8 @@ def api_client(api_url: str, timeout: float) -> Iterator[httpx.Client]:
     """An httpx client for the API, sending `Authorization: Bearer $VLMQ_API_KEY` when that is set (an API
     without auth, in embedded mode, ignores it). An API that cannot be reached ends the command with a line
     that says so, not a traceback."""
+    import httpx  # here: every other command (vlmq run, the workers) starts without it
+
     key = os.environ.get("VLMQ_API_KEY", "").strip()
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     with httpx.Client(base_url=api_url.rstrip("/"), timeout=timeout, headers=headers) as client:

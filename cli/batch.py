@@ -9,13 +9,15 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
-import httpx
 import typer
 
 from cli.api_client import ApiUrl, api_client
 from common.images.archive import images_archive
+
+if TYPE_CHECKING:
+    import httpx  # the client comes from cli.api_client, which imports it when a command runs
 
 batch_app = typer.Typer(help="OpenAI-style batches on a running vlmq API.", no_args_is_help=True)
 

@@ -17,13 +17,19 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
-from botocore.exceptions import ClientError
 from sqlalchemy.orm import Session
 
 from common.domain.file_expiry import ExpiresAfter
 from common.domain.models import FileRecord, utcnow
 from common.infra.db import Database
-from common.infra.storage import LocalObjectStore, ObjectNotFound, ObjectStore, S3ObjectStore, tenant_prefix
+from common.infra.storage import (
+    LocalObjectStore,
+    ObjectNotFound,
+    ObjectStore,
+    S3ObjectStore,
+    client_error,
+    tenant_prefix,
+)
 
 # S3 refuses multipart parts under 5 MiB (except the last); 8 MiB keeps a writer's memory small and the
 # number of parts of a 200 MB upload far below S3's 10,000.
@@ -83,7 +89,7 @@ class _S3Writer:
         self.buffer = bytearray()
         if self.upload_id is not None:
             # On failure a bucket lifecycle rule cleans the stale upload; nothing else refers to it.
-            with contextlib.suppress(ClientError):
+            with contextlib.suppress(client_error()):
                 self.store.client.abort_multipart_upload(Bucket=self.store.bucket, Key=self.key,
                                                          UploadId=self.upload_id)
 
@@ -143,7 +149,7 @@ def open_reader(store: ObjectStore, key: str, chunk_bytes: int = READ_CHUNK_BYTE
     if isinstance(store, S3ObjectStore):
         try:
             response = store.client.get_object(Bucket=store.bucket, Key=key)
-        except ClientError as exc:
+        except client_error() as exc:
             if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404", "NotFound"):
                 raise ObjectNotFound(key) from None
             raise
@@ -220,7 +226,7 @@ class _S3RangeReader(io.RawIOBase):
         try:
             response = self.store.client.get_object(Bucket=self.store.bucket, Key=self.key,
                                                     Range=f"bytes={self.pos}-{end}")
-        except ClientError as exc:
+        except client_error() as exc:
             if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404", "NotFound"):
                 raise ObjectNotFound(self.key) from None
             raise

@@ -14,7 +14,6 @@ from sqlalchemy.orm import Session
 
 from common.domain.submission_error import SubmissionError
 from common.images.decode import ImageError, parse_data_url
-from common.images.fetch import ImageFetchError, fetcher_for
 from common.images.pack import ImagePack, PackedImage
 from common.images.stored import IMAGE_ID_RE, StoredImage, owned_image, store_image
 from common.infra.settings import Settings
@@ -109,6 +108,8 @@ def resolve_image(url: str, session: Session, store: ObjectStore, settings: Sett
         if not settings.image_urls_enabled:
             raise SubmissionError("remote image URLs are not enabled on this server; send a data: URL or an "
                                   "uploaded image id (img_...)", 400, "image_url_not_allowed")
+        from common.images.fetch import ImageFetchError, fetcher_for  # httpx: imported by those who fetch
+
         try:
             data = fetcher_for(settings).fetch(url)
         except ImageFetchError as exc:

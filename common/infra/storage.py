@@ -9,13 +9,12 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Protocol
-
-import boto3
-from botocore.config import Config
-from botocore.exceptions import ClientError
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from common.infra.settings import Settings
+
+if TYPE_CHECKING:
+    from botocore.exceptions import ClientError
 
 
 class ObjectNotFound(KeyError):
@@ -30,6 +29,14 @@ class ObjectStore(Protocol):
     def delete(self, key: str) -> None: ...
     def presigned_url(self, key: str, expires_seconds: int) -> str | None: ...
     def check(self) -> None: ...
+
+
+def client_error() -> type[ClientError]:
+    """botocore's ClientError, for `except client_error()` (evaluated only when something was raised): boto3
+    is imported by the processes that use S3, not by every vlmq command."""
+    from botocore.exceptions import ClientError as LoadedClientError
+
+    return cast("type[ClientError]", LoadedClientError)
 
 
 def _check_key(key: str) -> str:
@@ -117,6 +124,9 @@ class S3ObjectStore:
     @staticmethod
     def _client(endpoint_url: str | None, region: str, access_key_id: str | None, secret_access_key: str | None,
                 max_connections: int, max_attempts: int, checksum_validation: str) -> Any:
+        import boto3
+        from botocore.config import Config
+
         return boto3.client(
             "s3",
             endpoint_url=endpoint_url,
@@ -143,7 +153,7 @@ class S3ObjectStore:
         try:
             self.client.head_bucket(Bucket=self.bucket)
             return
-        except ClientError as exc:
+        except client_error() as exc:
             if exc.response.get("Error", {}).get("Code") not in ("404", "NoSuchBucket", "NotFound"):
                 raise
         kwargs: dict[str, object] = {"Bucket": self.bucket}
@@ -151,7 +161,7 @@ class S3ObjectStore:
             kwargs["CreateBucketConfiguration"] = {"LocationConstraint": region}
         try:
             self.client.create_bucket(**kwargs)
-        except ClientError as exc:
+        except client_error() as exc:
             if exc.response.get("Error", {}).get("Code") not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
                 raise
 
@@ -170,7 +180,7 @@ class S3ObjectStore:
     def _get(self, key: str, client: Any = None, **kwargs: str) -> bytes:
         try:
             response = (client or self.client).get_object(Bucket=self.bucket, Key=_check_key(key), **kwargs)
-        except ClientError as exc:
+        except client_error() as exc:
             if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404", "NotFound"):
                 raise ObjectNotFound(key) from None
             raise
@@ -180,7 +190,7 @@ class S3ObjectStore:
     def exists(self, key: str) -> bool:
         try:
             self.client.head_object(Bucket=self.bucket, Key=_check_key(key))
-        except ClientError as exc:
+        except client_error() as exc:
             if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404", "NotFound"):
                 return False
             raise
