@@ -185,8 +185,12 @@ class Settings(BaseSettings):
     dispatch_window: int = Field(default=2048, ge=1, description="Jobs per tenant and model in the broker.")
     # Jobs sent together (a batch's chunks, POSTs written in one transaction) share run_job messages: Celery's
     # receipt, task call and ack cost a worker CPU per message, not per job (bench/celery_messages.py). A worker
-    # counts such a message as that many of its `worker_concurrency` slots, so it holds no more jobs.
-    job_ids_per_message: int = Field(default=16, ge=1, le=256, description="Most jobs one run_job message carries.")
+    # counts such a message as that many of its `worker_concurrency` slots, so it holds no more jobs. Sized by
+    # what the engine holds: a quarter of max_num_seqs, so that a batch's rows come a few messages to an engine
+    # step (and tenants share a batch at that grain) while a large engine costs few messages per step.
+    job_ids_per_message: int = Field(
+        default=0, ge=0, le=256, description="Most jobs one run_job message carries; 0: a quarter of max_num_seqs "
+                                             "(at most worker_concurrency).")
     # Maintenance (Celery beat, `vlmq beat` or `vlmq ingest-worker --beat`): reap expired leases, send again
     # what the broker lost, top up dispatch windows, expire and finalize batches.
     sweep_interval_seconds: float = Field(default=30.0, gt=0, description="How often the sweep runs.")
@@ -229,6 +233,8 @@ class Settings(BaseSettings):
             self.served_model_name = Path(self.model.rstrip("/")).name or self.model
         if self.worker_concurrency == 0:
             self.worker_concurrency = 2 * self.max_num_seqs
+        if self.job_ids_per_message == 0:
+            self.job_ids_per_message = max(1, min(256, self.max_num_seqs // 4, self.worker_concurrency))
         if self.heartbeat_seconds == 0:
             self.heartbeat_seconds = self.lease_seconds / 3
         if self.heartbeat_seconds >= self.lease_seconds:
