@@ -38,7 +38,8 @@ class JobSubmission:
         self.ids = list(self.pool.map(self._post, range(len(self.bodies))))
 
     def done(self, conn: Connection) -> bool:
-        return conn.execute(text("SELECT count(*) FROM jobs WHERE status = 'succeeded'")).scalar_one() >= len(self.ids)
+        return conn.execute(text("SELECT count(*) FROM jobs WHERE status = 'succeeded' AND id = ANY(:ids)"),
+                            {"ids": self.ids}).scalar_one() >= len(self.ids)
 
     def texts(self) -> dict[str, str]:
         return {custom_id: self.clients[0].get(f"/v1/jobs/{job_id}").json()["result"]["text"]
