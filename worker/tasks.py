@@ -18,8 +18,10 @@ from dataclasses import dataclass
 
 from celery import Celery, Task
 from celery.signals import task_received
+from celery.worker.control import control_command
 
 from common.broker.queue import (
+    CONTROL_CHECK_LEASES,
     TASK_CANCEL_BATCH,
     TASK_FINALIZE_BATCH,
     TASK_INGEST_BATCH,
@@ -34,7 +36,7 @@ from common.broker.queue import (
 from common.infra.db import Database, get_database
 from common.infra.settings import Settings, get_settings
 from common.infra.storage import ObjectStore, make_store
-from worker.context import WorkerContext, get_context
+from worker.context import WorkerContext, current_context, get_context
 from worker.jobs.after_job import AfterJobDeps, after_job, has_follow_ups
 from worker.jobs.pipeline import Outcome
 from worker.jobs.prefetch_share import PrefetchShare
@@ -198,6 +200,16 @@ def sweep_batches(task: Task) -> int:
         ctx.settings, ctx.db, ctx.store, send_jobs=model_sender(app, ctx.settings),
         send_ingest=lambda batch_id: send_ingest_batch(app, ctx.settings, batch_id),
         send_finalize=lambda batch_id: send_finalize_batch(app, ctx.settings, batch_id)))
+
+
+@control_command(name=CONTROL_CHECK_LEASES)
+def check_leases(state: object) -> None:
+    """Broadcast (common/broker/queue.send_check_leases) after running jobs were cancelled in SQL: this process's
+    worker, if it runs jobs, looks at once which it still holds and stops the others (worker/jobs/leases.py).
+    Celery's remote-control commands are the process's, whichever app received it; so is the context."""
+    context = current_context()
+    if context is not None:
+        context.leases.check_soon()
 
 
 def _after_job_deps(app: Celery, ctx: WorkerContext) -> AfterJobDeps:
