@@ -29,6 +29,7 @@ from common.broker.queue import (
     TASK_SWEEP_BATCHES,
     app_settings,
     model_sender,
+    send_check_leases,
     send_finalize_batch,
     send_ingest_batch,
     send_run_jobs,
@@ -178,13 +179,16 @@ def finalize_batch(task: Task, batch_id: str) -> str:
 
 
 def cancel_batch(task: Task, batch_id: str) -> str:
+    """Cancel the batch's open jobs, queued and running (the workers running some are told to stop them), then
+    end it `cancelled`: it waits for no worker."""
     from worker.batches.finalize import cancel_batch_jobs
     from worker.batches.finalize import finalize_batch as finalize
 
-    ctx = batch_context(task.app)
+    app = task.app
+    ctx = batch_context(app)
     try:
-        cancelled = cancel_batch_jobs(batch_id, ctx.db)
-        log.info("batch %s: %d queued jobs cancelled", batch_id, cancelled)
+        cancelled = cancel_batch_jobs(batch_id, ctx.db, tell_workers=lambda: send_check_leases(app))
+        log.info("batch %s: %d open jobs cancelled", batch_id, cancelled)
         return finalize(batch_id, ctx.db, ctx.store)
     except Exception as exc:
         raise task.retry(exc=exc, countdown=_backoff(task, 2.0)) from exc
@@ -199,7 +203,8 @@ def sweep_batches(task: Task) -> int:
     return sweep(SweepDeps(
         ctx.settings, ctx.db, ctx.store, send_jobs=model_sender(app, ctx.settings),
         send_ingest=lambda batch_id: send_ingest_batch(app, ctx.settings, batch_id),
-        send_finalize=lambda batch_id: send_finalize_batch(app, ctx.settings, batch_id)))
+        send_finalize=lambda batch_id: send_finalize_batch(app, ctx.settings, batch_id),
+        tell_workers=lambda: send_check_leases(app)))
 
 
 @control_command(name=CONTROL_CHECK_LEASES)
