@@ -177,6 +177,12 @@ def get_context(settings: Settings | None = None) -> WorkerContext:
         return _context
 
 
+def current_context() -> WorkerContext | None:
+    """The process's context if it has been built; never builds it (a batch-only process loads no model)."""
+    with _context_lock:
+        return _context
+
+
 def set_context(context: WorkerContext | None) -> None:
     global _context
     with _context_lock:

@@ -18,8 +18,10 @@ from dataclasses import dataclass
 
 from celery import Celery, Task
 from celery.signals import task_received
+from celery.worker.control import control_command
 
 from common.broker.queue import (
+    CONTROL_CHECK_LEASES,
     TASK_CANCEL_BATCH,
     TASK_FINALIZE_BATCH,
     TASK_INGEST_BATCH,
@@ -27,6 +29,7 @@ from common.broker.queue import (
     TASK_SWEEP_BATCHES,
     app_settings,
     model_sender,
+    send_check_leases,
     send_finalize_batch,
     send_ingest_batch,
     send_run_jobs,
@@ -34,7 +37,7 @@ from common.broker.queue import (
 from common.infra.db import Database, get_database
 from common.infra.settings import Settings, get_settings
 from common.infra.storage import ObjectStore, make_store
-from worker.context import WorkerContext, get_context
+from worker.context import WorkerContext, current_context, get_context
 from worker.jobs.after_job import AfterJobDeps, after_job, has_follow_ups
 from worker.jobs.pipeline import Outcome
 from worker.jobs.prefetch_share import PrefetchShare
@@ -176,13 +179,16 @@ def finalize_batch(task: Task, batch_id: str) -> str:
 
 
 def cancel_batch(task: Task, batch_id: str) -> str:
+    """Cancel the batch's open jobs, queued and running (the workers running some are told to stop them), then
+    end it `cancelled`: it waits for no worker."""
     from worker.batches.finalize import cancel_batch_jobs
     from worker.batches.finalize import finalize_batch as finalize
 
-    ctx = batch_context(task.app)
+    app = task.app
+    ctx = batch_context(app)
     try:
-        cancelled = cancel_batch_jobs(batch_id, ctx.db)
-        log.info("batch %s: %d queued jobs cancelled", batch_id, cancelled)
+        cancelled = cancel_batch_jobs(batch_id, ctx.db, tell_workers=lambda: send_check_leases(app))
+        log.info("batch %s: %d open jobs cancelled", batch_id, cancelled)
         return finalize(batch_id, ctx.db, ctx.store)
     except Exception as exc:
         raise task.retry(exc=exc, countdown=_backoff(task, 2.0)) from exc
@@ -197,7 +203,18 @@ def sweep_batches(task: Task) -> int:
     return sweep(SweepDeps(
         ctx.settings, ctx.db, ctx.store, send_jobs=model_sender(app, ctx.settings),
         send_ingest=lambda batch_id: send_ingest_batch(app, ctx.settings, batch_id),
-        send_finalize=lambda batch_id: send_finalize_batch(app, ctx.settings, batch_id)))
+        send_finalize=lambda batch_id: send_finalize_batch(app, ctx.settings, batch_id),
+        tell_workers=lambda: send_check_leases(app)))
+
+
+@control_command(name=CONTROL_CHECK_LEASES)
+def check_leases(state: object) -> None:
+    """Broadcast (common/broker/queue.send_check_leases) after running jobs were cancelled in SQL: this process's
+    worker, if it runs jobs, looks at once which it still holds and stops the others (worker/jobs/leases.py).
+    Celery's remote-control commands are the process's, whichever app received it; so is the context."""
+    context = current_context()
+    if context is not None:
+        context.leases.check_soon()
 
 
 def _after_job_deps(app: Celery, ctx: WorkerContext) -> AfterJobDeps:

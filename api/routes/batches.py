@@ -1,7 +1,7 @@
 """OpenAI Batches API: create a batch from an uploaded file, read it, list, cancel.
 
-The API only writes the batch row and sends tasks by name: ingestion, cancellation and finalization run on
-the ingest queue.
+The API only writes the batch row (and, on a cancel, stops its running rows) and sends tasks by name:
+ingestion, cancellation and finalization run on the ingest queue.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from api.deps import AppState, SessionDep, StateDep
 from api.errors import error_responses
 from api.limits import open_jobs_guard
 from api.routes.files import list_page
-from common.broker.queue import send_cancel_batch, send_ingest_batch
-from common.domain import batches
+from common.broker.queue import send_cancel_batch, send_check_leases, send_ingest_batch
+from common.domain import batches, jobs
 from common.domain.batch_input import CHAT_URL
 from common.domain.file_expiry import ExpiresAfter
 from common.domain.models import Batch, BatchStatus, FileRecord
@@ -133,8 +133,8 @@ def retrieve_batch(batch_id: str, session: SessionDep, tenant: TenantDep) -> dic
 
 @router.post("/{batch_id}/cancel", responses=error_responses(404, 409))
 def cancel_batch(batch_id: str, state: StateDep, tenant: TenantDep) -> dict[str, Any]:
-    """Queued requests are cancelled, running ones finish; the batch ends `cancelled` with files for what
-    finished."""
+    """Every request not yet finished is cancelled, those running on a worker included (the worker stops them);
+    the batch ends `cancelled` with files for what finished before."""
     with state.db.session() as session:
         batch = _get(session, tenant, batch_id)
         if not batches.request_cancel(session, batch_id):
@@ -142,6 +142,17 @@ def cancel_batch(batch_id: str, state: StateDep, tenant: TenantDep) -> dict[str,
             if batch.status not in (BatchStatus.CANCELLING, BatchStatus.CANCELLED):
                 raise HTTPException(409, f"batch {batch_id!r} is {batch.status} and can no longer be cancelled")
             return batches.batch_view(session, batch)
+        # The running rows are cancelled here, with the move to `cancelling`, and their workers told at once: none
+        # of them finishes after this answer, and they stop now rather than when the cancel task comes round (a
+        # worker busy with jobs, which may also consume the batch tasks' queue, takes its next task only as some
+        # end). The task cancels the queued rows, which may be a million, and any claimed meanwhile.
+        stopped = jobs.cancel_running_of_batch(session, batch_id)
+    if stopped:
+        try:
+            send_check_leases(state.celery)
+        except Exception:
+            # The rows are cancelled in SQL all the same; each worker's heartbeat finds them.
+            log.exception("could not tell the workers that batch %s was cancelled", batch_id)
     try:
         send_cancel_batch(state.celery, state.settings, batch_id)
     except Exception:

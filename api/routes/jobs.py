@@ -19,7 +19,7 @@ from api.errors import error_responses
 from api.job_intake import submit
 from api.json_body import INLINE_BODY_BYTES, body_schema, parse, validate
 from api.limits import open_jobs_guard
-from common.broker.queue import send_finalize_batch
+from common.broker.queue import send_check_leases, send_finalize_batch
 from common.domain import batches, jobs, storable
 from common.domain.models import Job, JobStatus
 from common.domain.schemas import JobCreate, JobList, JobView
@@ -176,17 +176,29 @@ def get_job(job_id: str, session: SessionDep, tenant: TenantDep) -> JobView:
 def cancel_job(job_id: str, state: StateDep, tenant: TenantDep) -> JobView:
     with state.db.session() as session:
         job = _get_job(session, tenant, job_id)
-        batch_id = job.batch_id
-        if not jobs.cancel(session, job_id):
+        batch_id, was_running = job.batch_id, job.status == JobStatus.RUNNING
+        cancelled = jobs.cancel(session, job_id)
+        if not cancelled:
             session.refresh(job)
             if job.status != JobStatus.CANCELLED:
                 raise HTTPException(409, f"job {job_id!r} is already {job.status} and cannot be cancelled")
         session.refresh(job)
         view = job_view(job)
+    if cancelled and was_running:
+        _tell_workers(state, job_id)
     if batch_id is not None:
         # The batch may have been waiting on this job alone.
         _after_batch_job_cancel(state, batch_id)
     return view
+
+
+def _tell_workers(state: AppState, job_id: str) -> None:
+    """Its worker stops it now rather than at its next heartbeat (worker/jobs/leases.py)."""
+    try:
+        send_check_leases(state.celery)
+    except Exception:
+        # The job is cancelled either way; its worker finds out at its next heartbeat.
+        log.exception("could not tell the workers that job %s was cancelled", job_id)
 
 
 def _after_batch_job_cancel(state: AppState, batch_id: str) -> None:

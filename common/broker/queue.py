@@ -25,6 +25,10 @@ TASK_CANCEL_BATCH = "vlmq.cancel_batch"
 TASK_SWEEP_BATCHES = "vlmq.sweep_batches"
 BATCH_TASKS = (TASK_INGEST_BATCH, TASK_FINALIZE_BATCH, TASK_CANCEL_BATCH, TASK_SWEEP_BATCHES)
 
+# The remote-control command (Celery's broadcast to every worker) that has a worker look at once which of its
+# jobs it still holds, after some running ones were cancelled (worker/tasks.py handles it).
+CONTROL_CHECK_LEASES = "vlmq_check_leases"
+
 # Batch bookkeeping (ingest, finalize, cancel) needs no model, so it has a queue of its own that a light
 # `vlmq ingest-worker` can consume; a GPU worker may consume it too (`vlmq worker --ingest`).
 INGEST_QUEUE = "ingest"
@@ -172,3 +176,10 @@ def send_cancel_batch(app: Celery, settings: Settings, batch_id: str) -> None:
 def send_sweep_batches(app: Celery, settings: Settings) -> None:
     """What beat sends every sweep_interval_seconds; also handy to run a sweep now."""
     app.send_task(TASK_SWEEP_BATCHES, queue=ingest_queue(settings), priority=0)
+
+
+def send_check_leases(app: Celery) -> None:
+    """Tell every worker that some of the jobs it runs may have been cancelled in SQL: each looks at once which
+    it still holds and stops the others. Not waited for, nor answered: a worker that misses it finds out at its
+    next heartbeat."""
+    app.control.broadcast(CONTROL_CHECK_LEASES)

@@ -336,6 +336,35 @@ def cancel(session: Session, job_id: str) -> bool:
     return rowcount(session, stmt) == 1
 
 
+def cancel_many(session: Session, job_ids: list[str], statuses: tuple[str, ...] = (JobStatus.QUEUED,
+                                                                                 JobStatus.RUNNING)) -> int:
+    """`cancel` of those of `job_ids` whose status is one of `statuses` (open ones), in one statement; returns
+    how many it cancelled."""
+    if not set(statuses) <= {JobStatus.QUEUED, JobStatus.RUNNING}:
+        raise ValueError(f"only open jobs are cancelled, not {statuses}")
+    if not job_ids:
+        return 0
+    stmt = (
+        update(Job)
+        .where(Job.id.in_(job_ids), Job.status.in_(statuses))
+        .values(status=JobStatus.CANCELLED, finished_at=utcnow(), lease_owner=None, lease_until=None)
+        .execution_options(synchronize_session=False)
+    )
+    return rowcount(session, stmt)
+
+
+def cancel_running_of_batch(session: Session, batch_id: str) -> int:
+    """`cancel` of every running job of a batch, in one statement (ix_jobs_batch_id_status): no more of them
+    than workers hold at once. Returns how many it cancelled."""
+    stmt = (
+        update(Job)
+        .where(Job.batch_id == batch_id, Job.status == JobStatus.RUNNING)
+        .values(status=JobStatus.CANCELLED, finished_at=utcnow(), lease_owner=None, lease_until=None)
+        .execution_options(synchronize_session=False)
+    )
+    return rowcount(session, stmt)
+
+
 def reap(session: Session, limit: int = 1000, *, every_lease: bool = False) -> dict[str, list[str]]:
     """Expired leases go back to `queued`, or to `dead` when attempts are used up. `every_lease`: every running
     job's, expired or not, for a process that knows no other worker can hold one (worker/embedded.py)."""

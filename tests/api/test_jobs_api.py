@@ -319,6 +319,37 @@ def test_cancelling_a_batchs_last_open_job_finalizes_the_batch(api: httpx.Client
     assert [m["headers"]["task"] for m in sent] == ["vlmq.finalize_batch"]
 
 
+def test_cancelling_running_work_tells_the_workers_at_once(api: httpx.Client, settings: Settings,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A running job's cancel, and a batch's, stop what workers run: the batch's running rows are cancelled in the
+    request itself, and the workers told (a broadcast) to look at their leases; a queued job's cancel tells none."""
+    from common.domain import batches, jobs
+    from common.domain.models import Job
+
+    told: list[str] = []
+    monkeypatch.setattr("api.routes.jobs.send_check_leases", lambda app: told.append("job"))
+    monkeypatch.setattr("api.routes.batches.send_check_leases", lambda app: told.append("batch"))
+    db = get_database(settings.database_url)
+    queued, running = (api.post("/v1/jobs", json=chat_body(text=t)).json()["id"] for t in ("queued", "running"))
+    with db.session() as session:
+        assert jobs.claim(session, running, "w", 60) is not None
+    assert api.post(f"/v1/jobs/{queued}/cancel").json()["status"] == "cancelled" and told == []
+    assert api.post(f"/v1/jobs/{running}/cancel").json()["status"] == "cancelled" and told == ["job"]
+    with db.session() as session:
+        batch_id = batches.create_batch(session, input_file_id="file-x", endpoint="/v1/chat/completions",
+                                        completion_window="24h", model=MODEL, metadata=None).id
+        rows = [jobs.create_job(session, model=MODEL, request={}, batch_id=batch_id, custom_id=c).id for c in "ab"]
+        batches.advance_ingestion(session, batch_id, from_line=0, last_line=2, requests=2, refused=0)
+        batches.start(session, batch_id)
+    with db.session() as session:
+        assert jobs.claim(session, rows[0], "w", 60) is not None
+    assert api.post(f"/v1/batches/{batch_id}/cancel").json()["status"] == "cancelling"
+    assert told == ["job", "batch"]
+    with db.session() as session:  # the running row at once; the queued one is the cancel task's
+        assert [session.get(Job, row).status for row in rows] == ["cancelled", "queued"]  # type: ignore[union-attr]
+        assert not jobs.finish(session, rows[0], "w", jobs.JobResult(None, "late", "stop", 1, 1))
+
+
 def test_nul_characters_are_kept_not_a_500(api: httpx.Client) -> None:
     """Postgres text refuses NUL; JSON allows it in any string, so a job carries it through."""
     body = {**chat_body(), "metadata": {"k\u0000": "v\u0000"}}

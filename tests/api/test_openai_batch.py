@@ -29,10 +29,10 @@ import pytest
 import torch
 from openai import OpenAI
 from PIL import Image
-from sqlalchemy import update
+from sqlalchemy import select, update
 
 from common.broker.queue import make_celery, send_sweep_batches
-from common.domain.models import Batch, utcnow
+from common.domain.models import Batch, Job, utcnow
 from common.infra.db import get_database
 from common.infra.settings import Settings
 from tests.api.test_jobs_api import data_url, png_bytes
@@ -280,6 +280,17 @@ def test_cancel_keeps_finished_results_and_single_jobs_outrank_batches(stack: St
     assert cancelled.status in ("cancelling", "cancelled") and cancelled.cancelling_at
     done = stack.wait(batch.id)
     assert done.status == "cancelled" and done.cancelled_at, done
+    # The rows the worker was running were cancelled with the batch (the worker, told through Redis, aborted
+    # them): none ran on to its end, as all its VLMQ_WORKER_CONCURRENCY did before. Only rows it claimed after,
+    # before the ingest worker's cancel task reached them, might have.
+    in_flight = int(stack.env["VLMQ_WORKER_CONCURRENCY"])
+    assert done.request_counts and cancelled.request_counts
+    assert done.request_counts.completed - cancelled.request_counts.completed < in_flight, (
+        cancelled.request_counts, done.request_counts)
+    with get_database(stack.settings.database_url).session() as session:
+        rows = session.execute(select(Job.status, Job.result_text).where(Job.batch_id == batch.id)).all()
+    assert {status for status, _ in rows} <= {"succeeded", "cancelled"}
+    assert all(text is None for status, text in rows if status == "cancelled")  # no result kept for those
     output = stack.jsonl(done.output_file_id) if done.output_file_id else []
     errors = stack.jsonl(done.error_file_id)
     assert {e["error"]["code"] for e in errors} == {"batch_cancelled"}, errors
@@ -527,9 +538,12 @@ def test_embedded_mode_runs_batches(tiny_llava_path: Path, tmp_path: Path) -> No
                 assert time.monotonic() < deadline + 120, batch
                 time.sleep(0.2)
             assert batch.status == "cancelled", batch
-            # Jobs already running when the cancel came finish (a run_job message's rows are claimed together, so
-            # whole messages' worth); the rest of the 400 never run.
-            assert batch.request_counts.completed - at_cancel < 200, (at_cancel, batch.request_counts)  # type: ignore[union-attr]
+            # The rows the worker had claimed (up to 2 x max_num_seqs, most waiting in its engine) were cancelled
+            # with the batch and aborted, not run to their end (all of them once finished after the cancel). Only
+            # rows claimed after it, before the cancel task reached the queued ones, could still finish: fewer than
+            # one run_job message's worth, as the aborts free the worker to take that task at once.
+            assert batch.request_counts.completed - at_cancel < settings.job_ids_per_message, (  # type: ignore[union-attr]
+                at_cancel, batch.request_counts)
     finally:
         get_context().close()
         set_context(None)

@@ -4,10 +4,16 @@ from __future__ import annotations
 import threading
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
-from common.broker.queue import TASK_RUN_JOB, TASK_SWEEP_BATCHES, make_celery
+import pytest
+from celery.worker import state as worker_state
+
+from common.broker.queue import TASK_RUN_JOB, TASK_SWEEP_BATCHES, make_celery, send_check_leases
 from common.infra.migrate import upgrade
 from common.infra.settings import Settings
+from worker.context import current_context, set_context
+from worker.embedded import _ThreadWorker
 from worker.tasks import register_tasks
 
 
@@ -47,3 +53,40 @@ def test_a_task_answers_to_its_own_app_from_any_thread(tmp_path: Path) -> None:
     thread.join()
     assert seen == {"first": first, "second": second}
     assert type(first.tasks[TASK_RUN_JOB]) is not type(second.tasks[TASK_RUN_JOB])
+
+
+class _Keeper:
+    def __init__(self) -> None:
+        self.asked = threading.Event()
+
+    def check_soon(self) -> None:
+        self.asked.set()
+
+
+@pytest.mark.parametrize("broker", ["memory", "redis"])
+def test_a_cancel_tells_every_worker_to_look_at_its_leases(broker: str, tmp_path: Path,
+                                                           request: pytest.FixtureRequest) -> None:
+    """The broadcast a cancel of running jobs sends (common/broker/queue.send_check_leases) reaches a running
+    worker through the broker, the in-process one of embedded mode and Redis alike, and has its lease keeper
+    look at once which jobs it still holds."""
+    url = "memory://" if broker == "memory" else request.getfixturevalue("redis_url")
+    settings = Settings(data_dir=tmp_path, broker_url=url)
+    app = make_celery(settings)
+    register_tasks(app)
+    worker = _ThreadWorker(app=app, concurrency=1, pool="threads", queues=[settings.job_queue],
+                           hostname=f"check-leases-{broker}@localhost", loglevel="WARNING", without_heartbeat=True,
+                           without_mingle=True, without_gossip=True)
+    thread = threading.Thread(target=worker.start, daemon=True)
+    keeper, before = _Keeper(), current_context()
+    set_context(SimpleNamespace(leases=keeper))  # type: ignore[arg-type]
+    thread.start()
+    try:
+        assert worker.ready.wait(30)
+        send_check_leases(make_celery(settings))  # from another process's app: the cancel task's
+        assert keeper.asked.wait(10)
+    finally:
+        set_context(before)
+        worker_state.should_terminate = 0
+        thread.join(30)
+        worker_state.should_terminate = None
+    assert not thread.is_alive()

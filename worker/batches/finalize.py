@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,7 +123,7 @@ def _finalize_batch(batch_id: str, db: Database, store: ObjectStore) -> str:
             final = BatchStatus.EXPIRED if batch.expired_at is not None else BatchStatus.COMPLETED
         elif batch.status == BatchStatus.CANCELLING:
             if batches.has_open_jobs(session, batch_id):
-                return batch.status  # running jobs finish (or are refused) first
+                return batch.status  # the cancel task has not yet gone through all its jobs
             final = BatchStatus.CANCELLED
         elif batch.status == BatchStatus.FAILED and batch.refused_requests and batch.error_file_id is None:
             final = None  # failed at ingestion: its refusals get their error file, outside this session
@@ -223,30 +224,66 @@ def _write_lines(batch_id: str, db: Database, output: _JsonlObject, errors: _Jso
     return tally
 
 
-def cancel_batch_jobs(batch_id: str, db: Database) -> int:
-    """Cancel the queued jobs of a cancelling batch (running ones finish, or are refused by jobs.cancel if
-    they start meanwhile); returns how many were cancelled."""
-    return _cancel_jobs(batch_id, db, (BatchStatus.CANCELLING,), (JobStatus.QUEUED,))
+# Told, after running jobs were cancelled, to have the workers look at once which jobs they still hold: each
+# stops those it no longer does (worker/jobs/leases.py) instead of at its next heartbeat.
+TellWorkers = Callable[[], None]
 
 
-def expire_batch(batch_id: str, db: Database) -> int:
+def cancel_batch_jobs(batch_id: str, db: Database, tell_workers: TellWorkers | None = None) -> int:
+    """Cancel every open job of a cancelling batch, running ones included (OpenAI's cancel: what completed stays
+    in the output file, nothing more runs): a running job's finish is then refused, and its worker, once told,
+    aborts its generation. Returns how many were cancelled."""
+    return _stop_open_jobs(batch_id, db, BatchStatus.CANCELLING, tell_workers)
+
+
+def expire_batch(batch_id: str, db: Database, tell_workers: TellWorkers | None = None) -> int:
     """Cancel every open job of an expiring batch, running ones included: past its window nothing more runs
-    (a worker's finish is refused, and its lease keeper can abort the generation)."""
-    return _cancel_jobs(batch_id, db, (BatchStatus.FINALIZING,), (JobStatus.QUEUED, JobStatus.RUNNING))
+    (a worker's finish is refused, and its lease keeper aborts the generation)."""
+    return _stop_open_jobs(batch_id, db, BatchStatus.FINALIZING, tell_workers)
 
 
-def _cancel_jobs(batch_id: str, db: Database, batch_statuses: tuple[str, ...], job_statuses: tuple[str, ...]) -> int:
-    cancelled = 0
+def _stop_open_jobs(batch_id: str, db: Database, batch_status: BatchStatus, tell_workers: TellWorkers | None) -> int:
+    """The running jobs first: they are what holds workers' slots and the engine, and a batch may have a million
+    queued rows to go through after them. Then every open one, queued or claimed by a worker meanwhile (dispatch
+    may still send the batch's rows until they are cancelled); the workers are told again if any was running.
+    When this returns, no job of the batch is open."""
+    running, _ = _cancel_jobs(batch_id, db, (batch_status,), (JobStatus.RUNNING,))
+    if running:
+        _tell(tell_workers, batch_id)
+    rest, claimed_meanwhile = _cancel_jobs(batch_id, db, (batch_status,), (JobStatus.QUEUED, JobStatus.RUNNING))
+    if claimed_meanwhile:
+        _tell(tell_workers, batch_id)
+    return running + rest
+
+
+def _tell(tell_workers: TellWorkers | None, batch_id: str) -> None:
+    if tell_workers is None:
+        return
+    try:
+        tell_workers()
+    except Exception:  # the jobs are cancelled in SQL all the same; each worker's heartbeat still finds them
+        log.warning("batch %s: could not tell the workers that its running jobs were cancelled", batch_id,
+                    exc_info=True)
+
+
+def _cancel_jobs(batch_id: str, db: Database, batch_statuses: tuple[str, ...],
+                 job_statuses: tuple[str, ...]) -> tuple[int, bool]:
+    """Cancel the batch's jobs in `job_statuses`, CANCEL_CHUNK to a statement, while the batch is in one of
+    `batch_statuses`: (how many, whether any of them was running)."""
+    cancelled, any_running = 0, False
     while True:
         with db.session() as session:
             status = session.scalar(select(Batch.status).where(Batch.id == batch_id))
             if status not in batch_statuses:
-                return cancelled
-            ids = list(session.scalars(select(Job.id).where(Job.batch_id == batch_id, Job.status.in_(job_statuses))
-                                       .limit(CANCEL_CHUNK)))
-            cancelled += sum(1 for job_id in ids if jobs.cancel(session, job_id))
-        if len(ids) < CANCEL_CHUNK:
-            return cancelled
+                return cancelled, any_running
+            rows = session.execute(select(Job.id, Job.status)
+                                   .where(Job.batch_id == batch_id, Job.status.in_(job_statuses))
+                                   .limit(CANCEL_CHUNK)).all()
+            # A row claimed, or requeued by the reaper, since the SELECT is open still: cancelled all the same.
+            cancelled += jobs.cancel_many(session, [row.id for row in rows])
+            any_running = any_running or any(row.status == JobStatus.RUNNING for row in rows)
+        if len(rows) < CANCEL_CHUNK:
+            return cancelled, any_running
 
 
 def expire_due(db: Database) -> list[str]:

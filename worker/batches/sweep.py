@@ -34,6 +34,7 @@ class SweepDeps:
     send_jobs: dispatch.Send  # run_job messages to the queue of a model
     send_ingest: Callable[[str], None]  # ingest_batch for a batch id
     send_finalize: Callable[[str], None]  # finalize_batch for a batch id
+    tell_workers: Callable[[], None] | None = None  # after running jobs were cancelled (finalize.TellWorkers)
 
 
 def sweep(deps: SweepDeps) -> int:
@@ -47,7 +48,8 @@ def sweep(deps: SweepDeps) -> int:
     _resend_lost_ingestions(deps)
     dispatch.top_up_all(deps.db, deps.settings.dispatch_window, deps.send_jobs)
     for batch_id in expire_due(deps.db):
-        log.info("batch %s expired: %d open jobs cancelled", batch_id, expire_batch(batch_id, deps.db))
+        cancelled = expire_batch(batch_id, deps.db, deps.tell_workers)
+        log.info("batch %s expired: %d open jobs cancelled", batch_id, cancelled)
         # Its open jobs are cancelled now; a job that ended just before did so while some were still
         # queued, so no job's end may be left to send this.
         deps.send_finalize(batch_id)

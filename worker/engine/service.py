@@ -27,7 +27,7 @@ from typing import Literal, cast
 
 from worker.engine.engine import Engine
 from worker.engine.model_runner import PreparedInput
-from worker.inference.generation import GenerationRequest, GenerationResult
+from worker.inference.generation import Aborted, GenerationRequest, GenerationResult
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ class EngineService:
                         waiting.remove(item)
                         future = item[1]
         if future is not None and not future.done():
-            future.set_exception(RuntimeError(f"request {request_id} was aborted"))
+            future.set_exception(Aborted(f"request {request_id} was aborted"))
 
     def _on_step_error(self, exc: Exception) -> None:
         if self._isolating is not None:

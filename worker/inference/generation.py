@@ -82,6 +82,11 @@ class InputError(ValueError):
     """
 
 
+class Aborted(RuntimeError):
+    """The backend dropped the request because the worker asked it to (`Generator.abort`): the job was cancelled,
+    or its lease lost, so nobody waits for its result. Not an error of the job's."""
+
+
 def cut_at_stop_strings(
     tokens: list[int], decode: Callable[[list[int]], str], stops: list[str]
 ) -> tuple[list[int], str, bool]:

@@ -180,10 +180,15 @@ class ChunkRunner:
     def _start(self, job: ClaimedJob, chunk: _Chunk, fetched: dict[ImageRef, bytes]) -> None:
         """Prepare and submit one claimed batch row; its end comes through callbacks."""
         pipeline = self.pipeline
+        if not pipeline.leases.holds(job.id):
+            # Cancelled since the chunk's claim (the lease keeper found it): the rows of a chunk are prepared one
+            # after another, and those not reached yet cost nothing more.
+            self._end(job, chunk, Outcome(Ending.LOST))
+            return
         try:
             prepared = pipeline.prepare(job, fetched)
             with pipeline.clock.stage("engine"):  # the hand-off: the model's own time is the engine's CPU
-                future = pipeline.generator.submit(prepared)
+                future = pipeline.submit(job, prepared)
         except Exception as exc:
             self._end_on_pool(job, chunk, pipeline.end_failed, job, exc)
             return
@@ -192,6 +197,9 @@ class ChunkRunner:
     def _generated(self, job: ClaimedJob, chunk: _Chunk, future: Future[GenerationResult]) -> None:
         """On the engine's result thread (or the submitting one): never block here."""
         error = future.exception()
+        if error is not None and self.pipeline.aborted_as_lost(job, error):
+            self._end(job, chunk, Outcome(Ending.LOST))  # cancelled or taken over: no SQL, nothing to block on
+            return
         if error is not None:  # ended as a job thread's would: refused input fails, the rest retries
             failure = error if isinstance(error, Exception) else RuntimeError(repr(error))
             self._end_on_pool(job, chunk, self.pipeline.end_failed, job, failure)

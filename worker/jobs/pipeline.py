@@ -12,6 +12,7 @@ import enum
 import json
 import logging
 from collections.abc import Iterable, Mapping
+from concurrent.futures import Future
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -28,7 +29,7 @@ from common.infra.db import Database
 from common.infra.settings import Settings
 from common.infra.storage import ObjectNotFound, ObjectStore, result_key
 from worker.inference.batcher import Generator
-from worker.inference.generation import InputError
+from worker.inference.generation import Aborted, GenerationResult, InputError
 from worker.inference.pixel_budget import PixelBudget
 from worker.jobs.image_reader import ImageReader, ImageRef
 from worker.jobs.leases import LeaseKeeper
@@ -142,11 +143,13 @@ class JobPipeline:
             return None if job is None else ClaimedJob.of(job)
 
     def _run_claimed(self, job: ClaimedJob, fetched: dict[ImageRef, bytes]) -> Outcome:
+        if not self.leases.holds(job.id):
+            return Outcome(Ending.LOST)  # the lease keeper found it cancelled since its claim: nothing to do
         try:
             prepared = self.prepare(job, fetched)
             fetched.clear()
             with self.clock.stage("engine"):
-                result = self.generator.submit(prepared).result()
+                result = self.submit(job, prepared).result()
         except Exception as exc:
             return self.end_failed(job, exc)
 
@@ -182,9 +185,25 @@ class JobPipeline:
             with self.clock.stage("prepare"):
                 return self.generator.prepare(request)
 
+    def submit(self, job: ClaimedJob, prepared: Any) -> Future[GenerationResult]:
+        """Hand a held job's prepared input to the generator. Should the job be lost meanwhile, the lease keeper's
+        abort may have gone to the generator before this submit, with nothing there yet to stop: it is aborted
+        again once submitted. (Lost after the look below, the keeper's own abort comes after the submit.)"""
+        future = self.generator.submit(prepared)
+        if not self.leases.holds(job.id):
+            self.generator.abort(job.id)
+        return future
+
+    def aborted_as_lost(self, job: ClaimedJob, error: BaseException) -> bool:
+        """Whether `error` is the generator's answer to an abort of a job this worker no longer holds (cancelled,
+        or taken over): it ends as lost, with no SQL, never as a failure, and is not run again here."""
+        return isinstance(error, Aborted) and not self.leases.holds(job.id)
+
     def end_failed(self, job: ClaimedJob, exc: Exception) -> Outcome:
         """End a claimed job whose input or generation raised `exc`: refused input fails it for good, anything
-        else hands it back to the queue for another attempt."""
+        else hands it back to the queue for another attempt. A job aborted because it was lost just ends."""
+        if self.aborted_as_lost(job, exc):
+            return Outcome(Ending.LOST)
         if isinstance(exc, InputError | ImageError):
             return self.fail(job, "invalid_input", str(exc))
         if isinstance(exc, ObjectNotFound):
@@ -209,8 +228,14 @@ class JobPipeline:
             log.info("job %s: lease lost or cancelled; result discarded", job.id)
             if job_result.result_key is not None:
                 self._drop_orphan(job.id, job_result.result_key)
-            return Outcome(Ending.LOST)
+            return self.lost()
         return Outcome(JobStatus.SUCCEEDED)
+
+    def lost(self) -> Outcome:
+        """The outcome of a job found no longer this worker's. Its batch's other rows here may well be cancelled
+        too, or whatever took this one over may have taken more: the lease keeper looks at once."""
+        self.leases.check_soon()
+        return Outcome(Ending.LOST)
 
     def _drop_orphan(self, job_id: str, key: str) -> None:
         """Delete the result object a refused finish left, if nothing will refer to it: the job ended without
@@ -248,12 +273,12 @@ class JobPipeline:
     def fail(self, job: ClaimedJob, code: str, message: str) -> Outcome:
         with self.db.session() as session:
             failed = jobs.fail(session, job.id, self.worker_id, code, message)
-        return Outcome(JobStatus.FAILED if failed else Ending.LOST)
+        return Outcome(JobStatus.FAILED) if failed else self.lost()
 
     @infra_retry
     def release(self, job: ClaimedJob, code: str, message: str) -> Outcome:
         with self.db.session() as session:
             status = jobs.release(session, job.id, self.worker_id, code, message)
         if status is None:
-            return Outcome(Ending.LOST)
+            return self.lost()
         return Outcome(status, retry=status == JobStatus.QUEUED)

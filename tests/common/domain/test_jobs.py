@@ -138,6 +138,23 @@ def test_cancel_queued_and_running_refuses_late_finish(db: Database) -> None:
     assert _get(db, queued).status == JobStatus.CANCELLED
 
 
+def test_cancel_many_cancels_the_open_ones_of_its_statuses(db: Database) -> None:
+    queued, running, done, other = _new_job(db), _new_job(db), _new_job(db), _new_job(db)
+    with db.session() as s:
+        jobs.claim(s, running, "w1", 60)
+        jobs.claim(s, done, "w1", 60)
+        assert jobs.finish(s, done, "w1", RESULT)
+    with db.session() as s:
+        assert jobs.cancel_many(s, [queued, running], (JobStatus.RUNNING,)) == 1  # only the running one
+        assert jobs.cancel_many(s, [queued, running, done]) == 1  # the queued one; the others have ended
+        assert jobs.cancel_many(s, []) == 0
+    with db.session() as s:
+        assert jobs.finish(s, running, "w1", RESULT) is False  # its worker's finish is refused
+    assert [_get(db, j).status for j in (queued, running, done, other)] == [
+        JobStatus.CANCELLED, JobStatus.CANCELLED, JobStatus.SUCCEEDED, JobStatus.QUEUED]
+    assert _get(db, running).lease_owner is None and _get(db, done).result_text == "hello"
+
+
 def test_reap_requeues_expired_and_kills_exhausted(db: Database) -> None:
     again, exhausted, alive = _new_job(db, 3), _new_job(db, 1), _new_job(db, 3)
     with db.session() as s:

@@ -4,6 +4,7 @@ thread and finished as each ends; on SQLite and a local folder, with a model tha
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -15,6 +16,7 @@ import pytest
 from sqlalchemy import update
 
 from common.domain import jobs
+from common.domain.claimed_job import ClaimedJob
 from common.domain.models import Job, JobStatus
 from common.images.pack import ImagePack
 from common.infra.db import Database, get_database
@@ -22,12 +24,12 @@ from common.infra.migrate import upgrade
 from common.infra.settings import Settings
 from common.infra.storage import ObjectStore, make_store, result_key
 from tests.api.test_jobs_api import png_bytes
-from worker.inference.generation import GenerationRequest, GenerationResult, InputError, SamplingParams
+from worker.inference.generation import Aborted, GenerationRequest, GenerationResult, InputError, SamplingParams
 from worker.jobs.chunk_runner import ChunkRunner
 from worker.jobs.group import JobGroupRunner
 from worker.jobs.image_reader import ImageRef
 from worker.jobs.leases import LeaseKeeper
-from worker.jobs.pipeline import JobPipeline, Outcome
+from worker.jobs.pipeline import Ending, JobPipeline, Outcome
 
 MODEL = "stand-in"
 
@@ -80,7 +82,12 @@ class _HeldModel:
             self.release(text)
 
     def abort(self, request_id: str) -> None:
-        pass
+        """As the engine does: a request it holds fails with Aborted; one it does not know of is ignored."""
+        with self._lock:
+            held = [text for text, (rid, _) in self._futures.items() if rid == request_id]
+            futures = [self._futures.pop(text)[1] for text in held]
+        for future in futures:
+            future.set_exception(Aborted(f"request {request_id} was aborted"))
 
     def close(self, timeout: float = 10.0) -> None:
         pass
@@ -95,7 +102,8 @@ def local(tmp_path: Path) -> Iterator[tuple[Settings, Database, ObjectStore]]:
 
 def _runner(local: tuple[Settings, Database, ObjectStore], model: _HeldModel) -> ChunkRunner:
     settings, db, store = local
-    leases = LeaseKeeper(db, "worker-1", settings.lease_seconds, 3600)
+    # An hour between beats: a lost job is found only when a test asks (check), as a cancel's broadcast does.
+    leases = LeaseKeeper(db, "worker-1", settings.lease_seconds, 3600, on_lost=model.abort)
     pipeline = JobPipeline(settings, db, store, model, leases, "worker-1")
     return ChunkRunner(pipeline, JobGroupRunner(pipeline, 8))
 
@@ -320,3 +328,72 @@ def test_with_a_prepare_pool_image_rows_wait_on_job_threads_with_their_images(
     # go to the pool at all.
     assert set(pool.handed) == set(rows)
     assert all(count == 1 and name.startswith("vlmq-job") for count, name in pool.handed.values())
+
+
+def test_rows_cancelled_in_the_model_end_lost_never_failed_nor_run_again(
+        local: tuple[Settings, Database, ObjectStore], caplog: pytest.LogCaptureFixture) -> None:
+    """A batch's cancel reaches rows a chunk has handed to the model: each is aborted there and ends as lost,
+    with no SQL of its own (no release that would be refused), no error, nothing to run again; a row that
+    finished before keeps its result."""
+    _, db, _ = local
+    model = _HeldModel(hold=True)
+    runner = _runner(local, model)
+    rows = _rows(db, ["kept", "gone 1", "gone 2"])
+    [single] = _rows(db, ["single gone"], batch_id=None)  # a single job, waiting on a job thread
+    result: list[list[Outcome | Exception]] = []
+    thread = threading.Thread(target=lambda: result.append(runner.run([*rows, single])))
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while len(model._futures) < 4:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        model.release("kept")
+        while _statuses(db, rows)[rows[0]][0] != JobStatus.SUCCEEDED:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        with db.session() as session:
+            assert jobs.cancel_many(session, [*rows, single]) == 3
+        caplog.clear()
+        assert runner.pipeline.leases.check() == 3  # what the cancel's broadcast has the keeper do
+        thread.join(30)
+        assert not thread.is_alive()
+    finally:
+        model.release_all()
+        thread.join(30)
+        _close(runner)
+    assert [o.status if isinstance(o, Outcome) else o for o in result[0]] == [
+        JobStatus.SUCCEEDED, Ending.LOST, Ending.LOST, Ending.LOST]
+    assert not any(o.retry for o in result[0] if isinstance(o, Outcome))
+    status = _statuses(db, [*rows, single])
+    assert status[rows[0]] == (JobStatus.SUCCEEDED, "tpek", None)
+    assert all(status[j] == (JobStatus.CANCELLED, None, None) for j in [*rows[1:], single])
+    with db.session() as session:
+        assert {job.error_code for job in session.query(Job).filter(Job.id.in_([*rows, single]))} == {None}
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.records
+
+
+def test_a_row_lost_before_its_turn_is_not_prepared_and_one_lost_while_prepared_is_aborted(
+        local: tuple[Settings, Database, ObjectStore]) -> None:
+    _, db, _ = local
+    model = _HeldModel(hold=True)
+    runner = _runner(local, model)
+    pipeline = runner.pipeline
+    early, late = _rows(db, ["early", "late"])
+    try:
+        with db.session() as session:
+            claims = {job.id: ClaimedJob.of(job) for job in (jobs.claim(session, j, "worker-1", 600)
+                                                             for j in (early, late)) if job is not None}
+            jobs.cancel_many(session, [early])
+        pipeline.leases.add(early, "batch_x")
+        pipeline.leases.add(late, "batch_x")
+        assert pipeline.leases.check() == 1  # early: found cancelled before the pipeline reached it
+        assert pipeline.run_held(claims[early]).status == Ending.LOST
+        assert model.prepare_threads == set()  # never prepared
+        prepared = pipeline.prepare(claims[late], {})
+        pipeline.leases.discard(late)  # lost while it was prepared: the keeper's abort found nothing to stop
+        future = pipeline.submit(claims[late], prepared)
+        with pytest.raises(Aborted):  # so the submit aborts it itself
+            future.result(timeout=5)
+    finally:
+        _close(runner)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from common.domain import jobs
 from common.domain.models import Job, utcnow
@@ -65,3 +68,71 @@ def test_discard_says_when_the_last_held_job_of_a_batch_is_let_go(tmp_path: Path
         assert keeper.held() == []
     finally:
         keeper.close()
+
+
+def test_check_soon_stops_lost_jobs_at_once_without_writing_leases(tmp_path: Path) -> None:
+    """A cancel tells the workers (or a refused finish hints) that held jobs may be gone: the keeper looks now,
+    not at its next beat (an hour away here), with a read only, and reports each lost job once."""
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    upgrade(url)
+    db = Database(url)
+    with db.session() as s:
+        kept, cancelled = (jobs.create_job(s, model="m", request=REQUEST).id for _ in range(2))
+    with db.session() as s:
+        for job_id in (kept, cancelled):
+            jobs.claim(s, job_id, "w1", 60)
+    lease = _lease(db, kept)
+    lost: list[str] = []
+    keeper = LeaseKeeper(db, "w1", lease_seconds=600, interval_seconds=3600, on_lost=lost.append,
+                         min_check_gap_seconds=0)
+    try:
+        keeper.add(kept, "batch-a")
+        keeper.add(cancelled, "batch-a")
+        keeper.check_soon()  # nothing lost yet: a look that changes nothing
+        with db.session() as s:
+            jobs.cancel(s, cancelled)
+        keeper.check_soon()
+        deadline = time.monotonic() + 10
+        while not lost:
+            assert time.monotonic() < deadline, "the keeper did not look when asked"
+            time.sleep(0.01)
+        assert lost == [cancelled] and keeper.held() == [kept]
+        assert not keeper.holds(cancelled) and keeper.holds(kept)
+        assert keeper.check() == 0 and lost == [cancelled]  # let go already: reported once
+        assert _lease(db, kept) == lease  # a check writes no lease
+        assert keeper.discard(kept) is True  # the batch's last row held here
+    finally:
+        keeper.close()
+        db.dispose()
+
+
+def test_a_lost_job_that_ended_meanwhile_is_not_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job whose own end let it go between the keeper's look and its report needs no abort."""
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    upgrade(url)
+    db = Database(url)
+    with db.session() as s:
+        job_id = jobs.create_job(s, model="m", request=REQUEST).id
+    lost: list[str] = []
+    keeper = LeaseKeeper(db, "w1", lease_seconds=600, interval_seconds=3600, on_lost=lost.append)
+    try:
+        keeper.add(job_id)
+        held_by = jobs.held_by
+
+        def ended_meanwhile(*args: Any) -> set[str]:
+            keeper.discard(job_id)  # the job's own finish, refused, let it go while the keeper read
+            return held_by(*args)
+
+        monkeypatch.setattr(jobs, "held_by", ended_meanwhile)
+        assert keeper.check() == 0
+        assert lost == []
+    finally:
+        keeper.close()
+        db.dispose()
+
+
+def _lease(db: Database, job_id: str) -> object:
+    with db.session() as s:
+        job = s.get(Job, job_id)
+        assert job is not None
+        return job.lease_until
