@@ -17,7 +17,7 @@ from sqlalchemy import func, select
 from common.domain.batch_input import LineError
 from common.domain.models import ImageOwner
 from common.domain.schemas import ChatCompletionRequest
-from common.images import refs
+from common.images import fetch
 from common.images.cache import ImageCache
 from common.images.pack import ImagePack
 from common.images.refs import ResolvedImage
@@ -100,7 +100,7 @@ def test_remote_images_meet_the_windows_own(settings: Settings, db: Database, st
         def fetch(self, url: str) -> bytes:
             return served[url]
 
-    monkeypatch.setattr(refs, "fetcher_for", lambda settings: Fetcher())
+    monkeypatch.setattr(fetch, "fetcher_for", lambda settings: Fetcher())  # refs imports it as it fetches
     remote = settings.model_copy(update={"image_urls_enabled": True})
     lines = [url_line("data-first", data_url(first)), url_line("remote-first", "https://pictures.example/first.png"),
              url_line("remote-second", "https://pictures.example/second.png"),
