@@ -232,7 +232,6 @@ def _wait(db: Database, app: Any, settings: Settings, summary: RunSummary, conso
     finished jobs), then this process's worker's own as its jobs end (after_job.ended_jobs): counting the batch's
     rows in SQL at every refresh would take the GIL and the database from the worker it waits for."""
     from common.broker.queue import send_finalize_batch
-    from worker.batches.finalize import wait_for_a_batch_end
     from worker.jobs.after_job import ended_jobs
 
     columns = (TextColumn("[bold]vlmq run"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[detail]}"),
@@ -242,18 +241,29 @@ def _wait(db: Database, app: Any, settings: Settings, summary: RunSummary, conso
         assert batch is not None
         summary.total_lines = batch.total_requests
         summary.submitted = batch.total_requests - batch.refused_requests
-        ended_before = ended_jobs.of(summary.batch_id)
+        ended_jobs.watch(summary.batch_id)  # counted from here on; SQL's count so far, once
         counts_before = Counter({s: n for s, n in _job_counts(session, summary.batch_id).items()
                                  if s in TERMINAL_STATUSES})
     send_finalize_batch(app, settings, summary.batch_id)  # it may have ended while lines were still being read
+    try:
+        _show_progress(db, summary, columns, console, model_loaded, counts_before)
+    finally:
+        ended_jobs.unwatch(summary.batch_id)
+
+
+def _show_progress(db: Database, summary: RunSummary, columns: tuple[Any, ...], console: Console,
+                   model_loaded: Future[None], counts_before: Counter[str]) -> None:
+    from worker.batches.finalize import wait_for_a_batch_end
+    from worker.jobs.after_job import ended_jobs
+
     with Progress(*columns, console=console, transient=False) as progress:
         task = progress.add_task("jobs", total=summary.submitted, detail="")
         while True:
             with db.session() as session:
                 status = session.scalar(select(Batch.status).where(Batch.id == summary.batch_id))
                 final = status in BATCH_FINAL_STATUSES
-                counts = _job_counts(session, summary.batch_id) if final else (
-                    counts_before + ended_jobs.of(summary.batch_id) - ended_before)
+                counts = (_job_counts(session, summary.batch_id) if final
+                          else counts_before + ended_jobs.of(summary.batch_id))
             done = sum(n for s, n in counts.items() if s in TERMINAL_STATUSES)
             progress.update(task, completed=done, detail=" ".join(f"{s}={counts[s]}" for s in sorted(counts)))
             if status is not None and final:

@@ -40,16 +40,26 @@ class AfterJobDeps:
 
 
 class EndedJobs:
-    """How many jobs of each batch ended in this process, by status: `vlmq run` shows its progress from these
-    rather than by counting its batch's rows in SQL while its worker writes them."""
+    """How many jobs of each watched batch ended in this process, by status: `vlmq run` shows its progress from
+    these rather than by counting its batch's rows in SQL while its worker writes them. Only watched batches
+    are counted, so a long-lived worker keeps nothing per batch."""
 
     def __init__(self) -> None:
         self._counts: dict[str, Counter[str]] = {}
         self._lock = threading.Lock()
 
+    def watch(self, batch_id: str) -> None:
+        with self._lock:
+            self._counts.setdefault(batch_id, Counter())
+
+    def unwatch(self, batch_id: str) -> None:
+        with self._lock:
+            self._counts.pop(batch_id, None)
+
     def add(self, batch_id: str, status: str) -> None:
         with self._lock:
-            self._counts.setdefault(batch_id, Counter())[status] += 1
+            if (counts := self._counts.get(batch_id)) is not None:
+                counts[status] += 1
 
     def of(self, batch_id: str) -> Counter[str]:
         with self._lock:

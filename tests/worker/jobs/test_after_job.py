@@ -49,3 +49,21 @@ def test_the_last_job_a_worker_held_of_a_batch_checks_at_once(settings: Settings
     while not finalized and time.monotonic() < deadline:
         time.sleep(0.01)
     assert finalized == [batch_id]
+
+
+def test_ended_jobs_counts_only_watched_batches() -> None:
+    """`vlmq run`'s progress counts its batch's ended jobs; a long-lived worker, which watches none, keeps
+    nothing per batch."""
+    from worker.jobs.after_job import EndedJobs
+
+    ended = EndedJobs()
+    ended.add("batch_a", JobStatus.SUCCEEDED)  # not watched: not kept
+    ended.watch("batch_a")
+    ended.add("batch_a", JobStatus.SUCCEEDED)
+    ended.add("batch_a", JobStatus.FAILED)
+    ended.add("batch_b", JobStatus.SUCCEEDED)
+    assert ended.of("batch_a") == {JobStatus.SUCCEEDED: 1, JobStatus.FAILED: 1}
+    assert ended.of("batch_b") == {}
+    ended.unwatch("batch_a")
+    ended.add("batch_a", JobStatus.SUCCEEDED)
+    assert ended.of("batch_a") == {} and not ended._counts
