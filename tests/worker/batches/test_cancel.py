@@ -20,9 +20,9 @@ from sqlalchemy import select
 
 from common.domain import batches, jobs
 from common.domain.models import Job, JobStatus
-from common.infra.db import Database, get_database
+from common.infra.db import Database
 from common.infra.settings import Settings
-from common.infra.storage import ObjectStore, make_store
+from common.infra.storage import ObjectStore
 from tests.conftest import settings_from_env
 from tests.worker.batches.test_ingest import (
     MODEL,
@@ -51,16 +51,6 @@ LATE = jobs.JobResult(None, "too late", "stop", 1, 1)
 @pytest.fixture(scope="module")
 def settings(service_env: dict[str, str]) -> Settings:
     return settings_from_env(service_env, model=f"/models/{MODEL}", ingest_chunk_rows=3)
-
-
-@pytest.fixture(scope="module")
-def db(settings: Settings) -> Database:
-    return get_database(settings.database_url)
-
-
-@pytest.fixture(scope="module")
-def store(settings: Settings) -> ObjectStore:
-    return make_store(settings)
 
 
 def _line(custom_id: str, text: str, max_tokens: int) -> str:

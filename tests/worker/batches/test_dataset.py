@@ -19,9 +19,9 @@ from common.domain.batch_input import LineError
 from common.domain.files import add_file, file_key
 from common.domain.models import Batch, BatchLineError, new_file_id
 from common.images.stored import owned_image
-from common.infra.db import Database, get_database
+from common.infra.db import Database
 from common.infra.settings import Settings
-from common.infra.storage import ObjectStore, make_store
+from common.infra.storage import ObjectStore
 from tests.api.test_jobs_api import png_bytes
 from tests.conftest import settings_from_env
 from tests.worker.batches.test_ingest import MODEL, Recorder, batch_jobs, get_batch, line_errors
@@ -36,16 +36,6 @@ RED, GREEN = png_bytes((200, 0, 0), (8, 6)), png_bytes((0, 200, 0), (6, 8))
 @pytest.fixture(scope="module")
 def settings(service_env: dict[str, str]) -> Settings:
     return settings_from_env(service_env, model=f"/models/{MODEL}", ingest_chunk_rows=2)
-
-
-@pytest.fixture(scope="module")
-def db(settings: Settings) -> Database:
-    return get_database(settings.database_url)
-
-
-@pytest.fixture(scope="module")
-def store(settings: Settings) -> ObjectStore:
-    return make_store(settings)
 
 
 def upload(db: Database, store: ObjectStore, data: bytes, filename: str) -> str:

@@ -22,9 +22,9 @@ from common.images.cache import ImageCache
 from common.images.pack import ImagePack
 from common.images.refs import ResolvedImage
 from common.images.stored import image_public_id, owned_image, store_image
-from common.infra.db import Database, get_database
+from common.infra.db import Database
 from common.infra.settings import Settings
-from common.infra.storage import ObjectStore, make_store
+from common.infra.storage import ObjectStore
 from tests.api.test_jobs_api import data_url, png_bytes
 from tests.conftest import settings_from_env
 from tests.worker.batches.test_ingest import MODEL, Recorder, batch_jobs, line, line_errors, make_batch
@@ -37,16 +37,6 @@ from worker.jobs.image_reader import ImageReader, image_refs
 @pytest.fixture(scope="module")
 def settings(service_env: dict[str, str]) -> Settings:
     return settings_from_env(service_env, model=f"/models/{MODEL}", ingest_chunk_rows=50, max_body_bytes=64 * 1024)
-
-
-@pytest.fixture(scope="module")
-def db(settings: Settings) -> Database:
-    return get_database(settings.database_url)
-
-
-@pytest.fixture(scope="module")
-def store(settings: Settings) -> ObjectStore:
-    return make_store(settings)
 
 
 def fresh_png(shade: int = 0) -> bytes:

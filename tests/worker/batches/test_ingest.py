@@ -48,16 +48,6 @@ def settings(service_env: dict[str, str]) -> Settings:
     return settings_from_env(service_env, model=f"/models/{MODEL}", ingest_chunk_rows=3, max_body_bytes=64 * 1024)
 
 
-@pytest.fixture(scope="module")
-def db(settings: Settings) -> Database:
-    return get_database(settings.database_url)
-
-
-@pytest.fixture(scope="module")
-def store(settings: Settings) -> ObjectStore:
-    return make_store(settings)
-
-
 class Recorder:
     def __init__(self, fail_on_call: int | None = None, hook: Callable[[int], None] | None = None) -> None:
         self.sent: list[str] = []

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from common.infra.db import Database, get_database
+from common.infra.db import Database
 from common.infra.settings import Settings
-from common.infra.storage import ObjectStore, make_store
+from common.infra.storage import ObjectStore
 from tests.api.test_jobs_api import data_url, png_bytes
 from tests.conftest import settings_from_env
 from tests.worker.batches.test_ingest import (
@@ -33,16 +33,6 @@ from worker.batches.ingest import IngestDeps, ingest_batch
 @pytest.fixture(scope="module")
 def settings(service_env: dict[str, str]) -> Settings:
     return settings_from_env(service_env, model=f"/models/{MODEL}", ingest_chunk_rows=4, max_body_bytes=64 * 1024)
-
-
-@pytest.fixture(scope="module")
-def db(settings: Settings) -> Database:
-    return get_database(settings.database_url)
-
-
-@pytest.fixture(scope="module")
-def store(settings: Settings) -> ObjectStore:
-    return make_store(settings)
 
 
 def _bomb_png(side: int = 20_000) -> bytes:

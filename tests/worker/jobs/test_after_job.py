@@ -12,13 +12,13 @@ from common.infra.db import Database
 from common.infra.debounce import Debouncer
 from common.infra.settings import Settings
 from common.infra.storage import ObjectStore
-from tests.worker.batches.test_ingest import Recorder, _finish, batch_jobs, db, line, make_batch, settings, store
+from tests.worker.batches.test_ingest import Recorder, _finish, batch_jobs, line, make_batch, settings
 from worker.batches.ingest import IngestDeps, ingest_batch
 from worker.jobs import after_job as after_job_module
 from worker.jobs.after_job import AfterJobDeps, after_job
 from worker.jobs.pipeline import Outcome
 
-__all__ = ["db", "settings", "store"]  # module fixtures, shared with test_ingest
+__all__ = ["settings"]  # test_ingest's, with the db and store tests/worker/conftest.py makes of it
 
 
 def test_the_last_job_a_worker_held_of_a_batch_checks_at_once(settings: Settings, db: Database, store: ObjectStore,
