@@ -182,19 +182,25 @@ def run_vlmq_file(path: Path, jobs: list[GenerationRequest], threads: int, work:
     return Run("run", loaded, texts)
 
 
+def saved_images(jobs: list[GenerationRequest], work: Path, tag: str) -> list[str | None]:
+    """Each job's image as a PNG file in `work` (None for a text job), for a system run in a process of its own."""
+    paths: list[str | None] = []
+    for i, job in enumerate(jobs):
+        path = None
+        if job.images:
+            path = str(work / f"{tag}-{i}.png")
+            job.images[0].save(path)
+        paths.append(path)
+    return paths
+
+
 def run_hfb_process(path: Path, jobs: list[GenerationRequest], threads: int, work: Path, dtype: str) -> Run:
     """HF padded batches of 32 in a fresh process (bench/hf_batch_process.py): its wall, imports and load in."""
     from run_system import run_hf_process
 
     work.mkdir(parents=True, exist_ok=True)
-    specs = []
-    for i, job in enumerate(jobs):
-        image = None
-        if job.images:
-            image = str(work / f"{i}.png")
-            job.images[0].save(image)
-        specs.append({"id": job.request_id, "messages": job.messages, "image": image,
-                      "max_tokens": job.sampling.max_tokens})
+    specs = [{"id": job.request_id, "messages": job.messages, "image": image, "max_tokens": job.sampling.max_tokens}
+             for job, image in zip(jobs, saved_images(jobs, work, "job"), strict=True)]
     wall, tokens = run_hf_process(path, specs, threads, work, dtype)
     return Run("hfb_process", wall, tokens)
 
@@ -336,11 +342,7 @@ def run_vllm(path: Path, loaded: LoadedModel, jobs: list[GenerationRequest], thr
 
     def spec(batch: list[GenerationRequest], tag: str) -> list[dict[str, Any]]:
         out = []
-        for i, job in enumerate(batch):
-            image = None
-            if job.images:
-                image = str(work / f"{tag}-{i}.png")
-                job.images[0].save(image)
+        for job, image in zip(batch, saved_images(batch, work, tag), strict=True):
             prompt = loaded.processor.apply_chat_template(job.messages, add_generation_prompt=True, tokenize=False)
             out.append({"id": job.request_id, "prompt": prompt, "image": image, "max_tokens": job.sampling.max_tokens})
         return out

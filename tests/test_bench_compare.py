@@ -187,3 +187,24 @@ def test_linear_shapes_bench_times_every_shape_in_both_dtypes() -> None:
     assert [line for line in run.stdout.splitlines() if line.startswith("torch.")] == [
         "torch.float32: [rows, 512] x [512, 1536], ms", "torch.float32: separate matmuls against one merged, ms",
         "torch.bfloat16: [rows, 512] x [512, 1536], ms", "torch.bfloat16: separate matmuls against one merged, ms"]
+
+
+def test_vlmq_run_and_hf_batches_run_in_processes_of_their_own(tmp_path: Path) -> None:
+    """`run` (vlmq run of the jobs as a batch file) answers as the engine alone does, timed by its run phase once
+    loaded; `hfb_process` (HF padded batches with transformers' own classes) answers text jobs as the engine
+    does, timed by its whole wall."""
+    out = tmp_path / "compare.json"
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "compare.py"), "--jobs", "4", "--models", "tiny",
+                          "--systems", "engine,run,hfb_process", "--max-tokens", "4", "--json", str(out)],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = {(r["system"], r["kind"]): r for r in json.loads(out.read_text())["rows"]}
+    assert {system for system, _ in rows} == {"engine", "run", "hfb_process"}
+    for kind in ("image", "text"):
+        assert rows[("run", kind)]["agreement"] == "4/4"
+    assert rows[("hfb_process", "text")]["agreement"] == "4/4"  # images: HF's own processor resizes with Pillow
+    phases = re.findall(r"^  run: run phase ([\d.]+) s, ([\d.]+) s of it with the model loaded; wall ([\d.]+) s",
+                        run.stdout, re.M)
+    assert len(phases) == 2 and all(float(a) >= float(b) > 0 and float(w) > float(a) for a, b, w in phases)
+    walls = re.findall(r"^  hfb_process: wall ([\d.]+) s; loaded in", run.stdout, re.M)
+    assert len(walls) == 2 and all(float(w) > 0 for w in walls)
