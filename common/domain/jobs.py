@@ -327,13 +327,7 @@ def release(session: Session, job_id: str, worker_id: str, code: str, message: s
 
 def cancel(session: Session, job_id: str) -> bool:
     """Cancel a job that has not finished; a worker still running it will have its finish refused."""
-    stmt = (
-        update(Job)
-        .where(Job.id == job_id, Job.status.in_([JobStatus.QUEUED, JobStatus.RUNNING]))
-        .values(status=JobStatus.CANCELLED, finished_at=utcnow(), lease_owner=None, lease_until=None)
-        .execution_options(synchronize_session=False)
-    )
-    return rowcount(session, stmt) == 1
+    return cancel_many(session, [job_id]) == 1
 
 
 def cancel_many(session: Session, job_ids: list[str], statuses: tuple[str, ...] = (JobStatus.QUEUED,
@@ -344,21 +338,19 @@ def cancel_many(session: Session, job_ids: list[str], statuses: tuple[str, ...] 
         raise ValueError(f"only open jobs are cancelled, not {statuses}")
     if not job_ids:
         return 0
-    stmt = (
-        update(Job)
-        .where(Job.id.in_(job_ids), Job.status.in_(statuses))
-        .values(status=JobStatus.CANCELLED, finished_at=utcnow(), lease_owner=None, lease_until=None)
-        .execution_options(synchronize_session=False)
-    )
-    return rowcount(session, stmt)
+    return _cancel_where(session, Job.id.in_(job_ids), Job.status.in_(statuses))
 
 
 def cancel_running_of_batch(session: Session, batch_id: str) -> int:
     """`cancel` of every running job of a batch, in one statement (ix_jobs_batch_id_status): no more of them
     than workers hold at once. Returns how many it cancelled."""
+    return _cancel_where(session, Job.batch_id == batch_id, Job.status == JobStatus.RUNNING)
+
+
+def _cancel_where(session: Session, *where: Any) -> int:
     stmt = (
         update(Job)
-        .where(Job.batch_id == batch_id, Job.status == JobStatus.RUNNING)
+        .where(*where)
         .values(status=JobStatus.CANCELLED, finished_at=utcnow(), lease_owner=None, lease_until=None)
         .execution_options(synchronize_session=False)
     )

@@ -130,7 +130,7 @@ def store_image(session: Session, store: ObjectStore, data: bytes, settings: Set
         return existing
     info = inspect_upload(data, settings)
     packed, values = place_image(store, data, sha256, info, pack)
-    if _insert_image(session, values, tenant):
+    if sha256 in insert_images(session, [values], tenant):
         return StoredImage(sha256, info.format, info.width, info.height, info.size_bytes, values["created_at"],
                            packed)
     # Another request of this tenant's stored it a moment ago.
@@ -140,28 +140,10 @@ def store_image(session: Session, store: ObjectStore, data: bytes, settings: Set
     return stored if packed is None else replace(stored, pack=packed)
 
 
-# Both rows in one round trip (a second INSERT slowed the ingestion of new images, bench/ingest.py). The image
+# An image's row and its owner's in one round trip (a second INSERT slowed the ingestion of new images,
+# bench/ingest.py), for one image or many: their rows travel as one JSON document (as in
+# common/infra/pg_bulk.py), so the text is the same for any number of images, parsed and planned once. An image
 # row may be another tenant's already: the same bytes, so the same values.
-_PG_INSERT_IMAGE = text(
-    "WITH image AS (INSERT INTO images (id, format, width, height, size_bytes, created_at, pack_key, pack_offset) "
-    "VALUES (:id, :format, :width, :height, :size_bytes, :created_at, :pack_key, :pack_offset) "
-    "ON CONFLICT (id) DO NOTHING) "
-    "INSERT INTO image_owners (tenant, image_id, created_at) VALUES (:tenant, :id, :created_at) "
-    "ON CONFLICT (tenant, image_id) DO NOTHING RETURNING tenant")
-
-
-def _insert_image(session: Session, values: dict[str, Any], tenant: str) -> bool:
-    """INSERT .. ON CONFLICT DO NOTHING the image's row and its owner's; whether the owner's was new."""
-    if session.get_bind().dialect.name == "postgresql":
-        return session.execute(_PG_INSERT_IMAGE, {**values, "tenant": tenant}).first() is not None
-    insert_ignoring_conflicts(session, ImageRecord, [values], ["id"])
-    owner = {"tenant": tenant, "image_id": values["id"], "created_at": values["created_at"]}
-    return bool(insert_ignoring_conflicts(session, ImageOwner, [owner], ["tenant", "image_id"],
-                                          returning=ImageOwner.tenant))
-
-
-# _PG_INSERT_IMAGE for many images: their rows travel as one JSON document (as in common/infra/pg_bulk.py), so
-# the text is the same for any number of images, parsed and planned once.
 _PG_INSERT_IMAGES = text(
     "WITH new AS (SELECT * FROM json_to_recordset(CAST(:rows AS json)) AS r(id text, format text, width integer, "
     "height integer, size_bytes bigint, created_at timestamptz, pack_key text, pack_offset bigint)), "
@@ -173,8 +155,8 @@ _PG_INSERT_IMAGES = text(
 
 
 def insert_images(session: Session, rows: list[dict[str, Any]], tenant: str) -> set[str]:
-    """_insert_image for many images (rows as place_image builds them, each id once) in one round trip on
-    Postgres: the ids whose owner row was new."""
+    """INSERT .. ON CONFLICT DO NOTHING the images' rows (as place_image builds them, each id once) and their
+    owner rows, in one round trip on Postgres: the ids whose owner row was new."""
     if not rows:
         return set()
     if session.get_bind().dialect.name == "postgresql":
