@@ -19,7 +19,7 @@ from api.deps import AppState, SessionDep, StateDep
 from api.errors import error_responses
 from api.limits import open_jobs_guard
 from api.routes.files import list_page
-from common.broker.queue import send_cancel_batch, send_check_leases, send_ingest_batch
+from common.broker.queue import send_cancel_batch, send_ingest_batch, tell_workers_to_check_leases
 from common.domain import batches, jobs
 from common.domain.batch_input import CHAT_URL
 from common.domain.file_expiry import ExpiresAfter
@@ -148,11 +148,7 @@ def cancel_batch(batch_id: str, state: StateDep, tenant: TenantDep) -> dict[str,
         # end). The task cancels the queued rows, which may be a million, and any claimed meanwhile.
         stopped = jobs.cancel_running_of_batch(session, batch_id)
     if stopped:
-        try:
-            send_check_leases(state.celery)
-        except Exception:
-            # The rows are cancelled in SQL all the same; each worker's heartbeat finds them.
-            log.exception("could not tell the workers that batch %s was cancelled", batch_id)
+        tell_workers_to_check_leases(state.celery, f"batch {batch_id}")
     try:
         send_cancel_batch(state.celery, state.settings, batch_id)
     except Exception:

@@ -19,7 +19,7 @@ from api.errors import error_responses
 from api.job_intake import submit
 from api.json_body import INLINE_BODY_BYTES, body_schema, parse, validate
 from api.limits import open_jobs_guard
-from common.broker.queue import send_check_leases, send_finalize_batch
+from common.broker.queue import send_finalize_batch, tell_workers_to_check_leases
 from common.domain import batches, jobs, storable
 from common.domain.models import Job, JobStatus
 from common.domain.schemas import JobCreate, JobList, JobView
@@ -185,20 +185,11 @@ def cancel_job(job_id: str, state: StateDep, tenant: TenantDep) -> JobView:
         session.refresh(job)
         view = job_view(job)
     if cancelled and was_running:
-        _tell_workers(state, job_id)
+        tell_workers_to_check_leases(state.celery, f"job {job_id}")  # its worker stops it now, not at its heartbeat
     if batch_id is not None:
         # The batch may have been waiting on this job alone.
         _after_batch_job_cancel(state, batch_id)
     return view
-
-
-def _tell_workers(state: AppState, job_id: str) -> None:
-    """Its worker stops it now rather than at its next heartbeat (worker/jobs/leases.py)."""
-    try:
-        send_check_leases(state.celery)
-    except Exception:
-        # The job is cancelled either way; its worker finds out at its next heartbeat.
-        log.exception("could not tell the workers that job %s was cancelled", job_id)
 
 
 def _after_batch_job_cancel(state: AppState, batch_id: str) -> None:

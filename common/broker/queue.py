@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import threading
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Literal
@@ -14,6 +15,8 @@ from common.broker import fast_send
 from common.broker import transport as broker_transport
 from common.broker.fast_send import RedisTaskSender
 from common.infra.settings import Settings
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from common.broker.dispatch import Send
@@ -183,3 +186,13 @@ def send_check_leases(app: Celery) -> None:
     it still holds and stops the others. Not waited for, nor answered: a worker that misses it finds out at its
     next heartbeat."""
     app.control.broadcast(CONTROL_CHECK_LEASES)
+
+
+def tell_workers_to_check_leases(app: Celery, cancelled: str) -> None:
+    """send_check_leases after running jobs were cancelled (`cancelled` says which, for the log). A broker that
+    cannot take it is logged, not raised: the jobs are cancelled in SQL all the same, and each worker's
+    heartbeat finds them."""
+    try:
+        send_check_leases(app)
+    except Exception:
+        log.exception("could not tell the workers that %s was cancelled", cancelled)

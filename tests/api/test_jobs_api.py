@@ -327,8 +327,8 @@ def test_cancelling_running_work_tells_the_workers_at_once(api: httpx.Client, se
     from common.domain.models import Job
 
     told: list[str] = []
-    monkeypatch.setattr("api.routes.jobs.send_check_leases", lambda app: told.append("job"))
-    monkeypatch.setattr("api.routes.batches.send_check_leases", lambda app: told.append("batch"))
+    monkeypatch.setattr("api.routes.jobs.tell_workers_to_check_leases", lambda app, what: told.append("job"))
+    monkeypatch.setattr("api.routes.batches.tell_workers_to_check_leases", lambda app, what: told.append("batch"))
     db = get_database(settings.database_url)
     queued, running = (api.post("/v1/jobs", json=chat_body(text=t)).json()["id"] for t in ("queued", "running"))
     with db.session() as session:

@@ -141,3 +141,4 @@ def test_a_celery_worker_runs_direct_messages_by_priority(redis_url: str) -> Non
 
 def test_other_brokers_go_through_celery() -> None:
     assert direct_sender(make_celery(Settings(model="/models/x"))) is None  # memory:// (embedded)
+

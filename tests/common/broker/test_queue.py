@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import kombu
+import pytest
 
 from common.broker.queue import INGEST_QUEUE, TASK_FINALIZE_BATCH, ingest_queue, make_celery, send_finalize_batch
 from common.infra.settings import Settings
@@ -72,3 +73,17 @@ def test_an_idle_embedded_worker_stops_at_once(tmp_path: Path) -> None:
         time.sleep(0.5)  # idle, inside a drain
         asked = time.monotonic()
     assert time.monotonic() - asked < 1.0
+
+
+def test_telling_the_workers_logs_a_broker_that_cannot_take_it(monkeypatch: pytest.MonkeyPatch,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    """The cancel is in SQL already: a broadcast the broker refuses is logged, never raised to the cancel's
+    caller (the workers' heartbeats find the jobs)."""
+    from common.broker import queue
+
+    def refused(app: object) -> None:
+        raise ConnectionError("broker down")
+
+    monkeypatch.setattr(queue, "send_check_leases", refused)
+    queue.tell_workers_to_check_leases(queue.make_celery(Settings(model="/models/x")), "batch batch_x")
+    assert "could not tell the workers that batch batch_x was cancelled" in caplog.text
